@@ -1,0 +1,154 @@
+"""The one update path every pool kind shares: encode rows, scatter them by slot, drop bad slots.
+
+A pool update is a tuple of (buffer, values, scale, codec) writes at one `loc`. A codec is a small
+hashable object that knows how one kind of buffer turns values into stored bits and where a
+slot's bits live: `RowCodec` for token-major rows (K, V, MLA latent), `IndexCodec` for NSA's
+page-packed fp8 index keys with their scales. The writes run as one jitted call, donating the
+replaced buffers when eager, or inline when already being traced, so a user's donating
+`jax.jit` keeps them in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import _dtypes
+
+# fp8-e4m3 quantisation of NSA index keys: scale = amax / 448 per token (DeepSeek V3.2).
+FP8_E4M3_MAX = 448.0
+
+
+def _drop_scatter(buf: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
+    # wrap_negative_indices=False: with mode="drop" alone, -1 still wraps to the last row.
+    return buf.at[idx].set(rows, mode="drop", wrap_negative_indices=False)
+
+
+def _fill_gather(buf: jax.Array, idx: jax.Array) -> jax.Array:
+    # Out-of-range reads return zero bits rather than another row's data.
+    return buf.at[idx].get(mode="fill", fill_value=0, wrap_negative_indices=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCodec:
+    """Token-major buffer `(rows, *row_shape)`: slot `s` is row `s`."""
+
+    dtype: np.dtype
+
+    def write(self, buf: jax.Array, loc: jax.Array, values, scale) -> jax.Array:
+        if isinstance(values, tuple):
+            bits = jnp.concatenate([_dtypes.encode(v, self.dtype, scale) for v in values], -1)
+        else:
+            bits = _dtypes.encode(values, self.dtype, scale)
+        return _drop_scatter(buf, loc, bits)
+
+    def read(self, buf: jax.Array, loc: jax.Array) -> jax.Array:
+        """Stored bits of the rows at `loc`, shape `(T, *row_shape)`."""
+        return _fill_gather(buf, loc)
+
+    def load(self, buf: jax.Array, loc: jax.Array, bits: jax.Array) -> jax.Array:
+        """Writes stored bits (as returned by `read`) back at `loc`."""
+        return _drop_scatter(buf, loc, bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexCodec:
+    """NSA indexer buffer `(pages, page_size*(head_dim+4))` uint8, SGLang's layout.
+
+    Per page: the fp8 keys of its `page_size` tokens, then one little-endian float32 scale per
+    token. A token's record (as `read` returns it) is its `head_dim` key bytes then 4 scale bytes.
+    """
+
+    page_size: int
+    head_dim: int
+
+    def _flat_index(self, loc: jax.Array, n_pages: int) -> tuple[jax.Array, jax.Array]:
+        p, d = self.page_size, self.head_dim
+        row_len = p * (d + 4)
+        valid = (loc >= 0) & (loc < n_pages * p)
+        base = (loc // p) * row_len
+        off = loc % p
+        keys = (base + off * d)[:, None] + jnp.arange(d)
+        scales = (base + p * d + off * 4)[:, None] + jnp.arange(4)
+        size = n_pages * row_len  # one past the end: dropped on write, filled on read
+        return (jnp.where(valid[:, None], keys, size), jnp.where(valid[:, None], scales, size))
+
+    def quantize(self, values: jax.Array) -> jax.Array:
+        """float `(T, head_dim)` -> token records uint8 `(T, head_dim+4)`."""
+        x = values.astype(jnp.float32)
+        scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / FP8_E4M3_MAX
+        q = jnp.where(scale > 0, x / jnp.where(scale > 0, scale, 1.0), 0.0)
+        q = jnp.clip(q, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+        key_bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
+        scale_bits = jax.lax.bitcast_convert_type(scale[:, 0], jnp.uint8)  # (T, 4), little-endian
+        return jnp.concatenate([key_bits, scale_bits], axis=-1)
+
+    def dequantize(self, records: jax.Array) -> jax.Array:
+        """Token records `(T, head_dim+4)` -> float32 `(T, head_dim)`."""
+        keys = jax.lax.bitcast_convert_type(records[:, : self.head_dim], jnp.float8_e4m3fn)
+        scale = jax.lax.bitcast_convert_type(records[:, self.head_dim :], jnp.float32)
+        return keys.astype(jnp.float32) * scale[:, None]
+
+    def write(self, buf: jax.Array, loc: jax.Array, values: jax.Array, scale) -> jax.Array:
+        del scale  # the scale is computed per token from the values
+        return self.load(buf, loc, self.quantize(values))
+
+    def read(self, buf: jax.Array, loc: jax.Array) -> jax.Array:
+        flat = buf.reshape(-1)
+        keys, scales = self._flat_index(loc, buf.shape[0])
+        return jnp.concatenate([_fill_gather(flat, keys), _fill_gather(flat, scales)], axis=-1)
+
+    def load(self, buf: jax.Array, loc: jax.Array, records: jax.Array) -> jax.Array:
+        flat = buf.reshape(-1)
+        keys, scales = self._flat_index(loc, buf.shape[0])
+        flat = _drop_scatter(flat, keys, records[:, : self.head_dim])
+        flat = _drop_scatter(flat, scales, records[:, self.head_dim :])
+        return flat.reshape(buf.shape)
+
+
+Codec = RowCodec | IndexCodec
+
+
+def _apply(bufs, loc, values, scales, codecs):
+    return tuple(c.write(b, loc, v, s) for b, v, s, c in zip(bufs, values, scales, codecs))
+
+
+_apply_donated = jax.jit(_apply, static_argnums=(4,), donate_argnums=(0,))
+_apply_copy = jax.jit(_apply, static_argnums=(4,))
+
+
+def _tracing(*trees) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
+
+
+def apply_writes(
+    bufs: Sequence[jax.Array],
+    loc: jax.Array,
+    values: Sequence[jax.Array],
+    scales: Sequence,
+    codecs: Sequence[Codec],
+    *,
+    donate: bool,
+) -> tuple[jax.Array, ...]:
+    """Writes `values[i]` at `loc` into `bufs[i]` with `codecs[i]`; returns the new buffers.
+
+    Eagerly this is one jitted call (donating `bufs` when `donate`); under a trace it is inlined
+    so the caller's own donation makes it in place.
+    """
+    args = (tuple(bufs), loc, tuple(values), tuple(scales))
+    if _tracing(args):
+        return _apply(*args, tuple(codecs))
+    fn = _apply_donated if donate else _apply_copy
+    return fn(*args, tuple(codecs))
+
+
+_read = jax.jit(lambda codec, buf, loc: codec.read(buf, loc), static_argnums=0)
+
+
+def read_slots(codec: Codec, buf: jax.Array, loc: jax.Array) -> jax.Array:
+    """Stored entries of `loc` (zero bits for out-of-range slots), shape `(T, *row_shape)`."""
+    return codec.read(buf, loc) if _tracing(buf, loc) else _read(codec, buf, loc)

@@ -1,0 +1,261 @@
+"""What every KV pool shares: static metadata, validation, layer ids, slots and the write path.
+
+A pool is a frozen dataclass registered as a JAX pytree whose leaves are exactly its per-layer
+buffers (tuples of arrays, one per layer); every other field is static metadata, so two pools of
+equal shapes share one trace. Subclasses add their buffer fields, their own static sizes and
+their rules; they never re-implement validation, slot handling or the scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import _dtypes, _kernels
+
+
+class Write(NamedTuple):
+    """One buffer's part of an update: `value (T, *row_shape)` from user argument `arg`.
+
+    `value` may be a tuple of parts that are encoded separately and joined on the last axis
+    (MLA's `k_nope` and `k_rope`), so mixed input dtypes never promote each other.
+    """
+
+    buffer: str
+    arg: str
+    value: Any
+    scale: Any = None
+
+
+class BufferSpec(NamedTuple):
+    """How one per-layer buffer of a pool is laid out, for generic code such as the connector.
+
+    `row_shape` is the shape of one token's stored entry, `codec` says where that entry lives
+    (`RowCodec`: row `slot`; `IndexCodec`: packed into the slot's page), and `value_shape` is
+    the per-token shape a setter takes when it differs from `row_shape` (NSA index keys are
+    written as floats and stored as fp8 bytes plus a scale).
+    """
+
+    name: str
+    row_shape: tuple[int, ...]
+    store_dtype: np.dtype
+    codec: _kernels.Codec
+    value_shape: tuple[int, ...] | None = None
+
+
+def pool_pytree(cls):
+    """Registers a pool dataclass: `BUFFERS` fields are data, all other fields are static."""
+    cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    data = [n for n in names if n in cls.BUFFERS]
+    meta = [n for n in names if n not in cls.BUFFERS]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def require_positive(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def zeros_buffers(n: int, shape: tuple[int, ...], dtype, sharding) -> tuple[jax.Array, ...]:
+    """`n` zero buffers placed with `sharding` (or on the default device)."""
+    return tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(n))
+
+
+_NOT_CONCRETE = (
+    "loc: check_bounds=True needs concrete slot values; under jax.jit out-of-range entries are "
+    "dropped instead (pass check_bounds=False, or check loc before tracing)"
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class PoolBase:
+    """Shared behaviour of `MHAPool`, `MLAPool`, `NSAPool` and `KOnlyPool`.
+
+    Subclasses are declared with `@pool_pytree` and start with these static fields.
+    """
+
+    BUFFERS: ClassVar[tuple[str, ...]] = ()
+
+    size: int
+    page_size: int
+    dtype: np.dtype
+    layer_num: int
+    start_layer: int
+    sharding: Any
+
+    # ---- static description -------------------------------------------------------------
+
+    @property
+    def store_dtype(self) -> np.dtype:
+        return _dtypes.store_dtype_of(self.dtype)
+
+    @property
+    def rows(self) -> int:
+        """Rows of each token-major buffer: `size + page_size` (page 0 is the padding sink)."""
+        return self.size + self.page_size
+
+    def buffer_specs(self) -> tuple[BufferSpec, ...]:
+        """The per-layer buffers of this pool, in export order."""
+        raise NotImplementedError
+
+    def buffers(self, name: str) -> tuple[jax.Array, ...]:
+        return getattr(self, name)
+
+    def layer_buffer(self, name: str, li: int) -> jax.Array:
+        """Buffer `name` of local layer `li`, with a clear error if an update consumed it."""
+        buf = self.buffers(name)[li]
+        if not isinstance(buf, jax.core.Tracer) and buf.is_deleted():
+            raise RuntimeError(
+                f"{type(self).__name__}.{name}[{li}] (layer {self.start_layer + li}) was donated "
+                "to the pool returned by an update: use that pool, or pass donate=False to "
+                "keep this one readable"
+            )
+        return buf
+
+    @staticmethod
+    def validate_common(*, size, page_size, layer_num, start_layer, dtype) -> np.dtype:
+        require_positive(size=size, page_size=page_size, layer_num=layer_num)
+        if size % page_size:
+            raise ValueError(
+                f"size: expected a multiple of page_size={page_size}, got {size} "
+                f"(use {(size // page_size + 1) * page_size})"
+            )
+        if isinstance(start_layer, bool) or not isinstance(start_layer, (int, np.integer)) or (
+            start_layer < 0
+        ):
+            raise ValueError(f"start_layer: expected an int >= 0, got {start_layer!r}")
+        return _dtypes.canonical_dtype(dtype)
+
+    def __repr__(self) -> str:
+        fields = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name not in self.BUFFERS and f.name != "dtype"
+        ]
+        return f"{type(self).__name__}(dtype={self.dtype.name}, {', '.join(fields)})"
+
+    def get_kv_size_bytes(self):
+        """Bytes of every allocated buffer (MHA and K-only override to return (k, v))."""
+        return sum(int(b.nbytes) for spec in self.buffer_specs() for b in self.buffers(spec.name))
+
+    # ---- layer ids and slots ------------------------------------------------------------
+
+    def layer_index(self, layer_id: int) -> int:
+        """Global `layer_id` -> index into this pool's buffer tuples."""
+        stop = self.start_layer + self.layer_num
+        if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) or not (
+            self.start_layer <= layer_id < stop
+        ):
+            raise IndexError(
+                f"layer_id: expected a global layer id in range({self.start_layer}, {stop}), "
+                f"got {layer_id!r}"
+            )
+        return int(layer_id) - self.start_layer
+
+    def prepare_loc(self, loc, *, check_bounds: bool = False) -> jax.Array:
+        """Validates slot indices `(T,)` and makes them safe to send to the device.
+
+        Host integers wider than 32 bits are clipped before narrowing, so a slot like 2**32+5
+        is dropped instead of wrapping onto row 5.
+        """
+        if isinstance(loc, jax.core.Tracer):
+            if check_bounds:
+                raise ValueError(_NOT_CONCRETE)
+            arr = loc
+        elif isinstance(loc, jax.Array):
+            arr = loc
+        else:
+            arr = np.asarray(loc)
+            if arr.dtype == object or arr.size == 0 and arr.dtype.kind == "f":
+                arr = arr.astype(np.int64)
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise TypeError(f"loc: expected an integer array, got dtype {arr.dtype}")
+        if arr.ndim != 1:
+            raise ValueError(f"loc: expected shape (T,), got {tuple(arr.shape)}")
+        if check_bounds:
+            host = np.asarray(arr)
+            bad = np.flatnonzero((host < 0) | (host >= self.rows))
+            if bad.size:
+                i = int(bad[0])
+                raise IndexError(
+                    f"loc[{i}] = {int(host[i])} is outside the pool's rows [0, {self.rows})"
+                )
+        if isinstance(arr, np.ndarray) and (arr.dtype.itemsize > 4 or arr.dtype == np.uint32):
+            arr = np.clip(arr, -1, self.rows).astype(np.int32)
+        return arr
+
+    @staticmethod
+    def check_shape(arg: str, x, expected: tuple) -> None:
+        """`ValueError` naming `arg` unless the shape of `x` (parts joined on the last axis
+        when `x` is a tuple of arrays) is `expected`."""
+        shape = _joined_shape(x)
+        if shape != tuple(expected):
+            want = "(" + ", ".join(str(d) for d in expected) + (",)" if len(expected) == 1 else ")")
+            raise ValueError(f"{arg}: expected shape {want}, got {shape}")
+
+    @staticmethod
+    def check_scale(arg: str, scale) -> None:
+        if scale is not None and np.ndim(scale) != 0:
+            raise ValueError(f"{arg}: expected a scalar scale, got shape {np.shape(scale)}")
+
+    # ---- the write path -----------------------------------------------------------------
+
+    def write(self, layer_id: int, loc, writes, *, donate: bool = True, check_bounds: bool = False):
+        """Applies `writes` (a sequence of `Write`) at slots `loc` of one layer; returns the new pool.
+
+        Every value is checked against its buffer's row shape before anything runs, so a bad
+        call changes nothing.
+        """
+        li = self.layer_index(layer_id)
+        loc = self.prepare_loc(loc, check_bounds=check_bounds)
+        specs = {s.name: s for s in self.buffer_specs()}
+        n = int(loc.shape[0])
+        writes = [w._replace(value=_as_array(w.value)) for w in writes]
+        for w in writes:
+            for part in w.value if isinstance(w.value, tuple) else (w.value,):
+                _dtypes.check_value_dtype(part, w.arg)
+            spec = specs[w.buffer]
+            self.check_shape(w.arg, w.value, (n, *(spec.value_shape or spec.row_shape)))
+        new = _kernels.apply_writes(
+            [self.layer_buffer(w.buffer, li) for w in writes],
+            loc,
+            [w.value for w in writes],
+            [w.scale for w in writes],
+            [specs[w.buffer].codec for w in writes],
+            donate=donate,
+        )
+        return self.replace_layer(li, {w.buffer: b for w, b in zip(writes, new)})
+
+    def replace_layer(self, li: int, new_buffers: Mapping[str, jax.Array]):
+        """A new pool with layer `li` of each named buffer replaced."""
+        changes = {}
+        for name, buf in new_buffers.items():
+            layers = list(self.buffers(name))
+            layers[li] = buf
+            changes[name] = tuple(layers)
+        return dataclasses.replace(self, **changes)
+
+    def read(self, name: str, layer_id: int) -> jax.Array:
+        """The whole buffer `name` of `layer_id` in the logical dtype."""
+        return _dtypes.decode(self.layer_buffer(name, self.layer_index(layer_id)), self.dtype)
+
+
+def _as_array(value):
+    if isinstance(value, tuple):
+        return tuple(_as_array(v) for v in value)
+    return value if hasattr(value, "shape") else np.asarray(value)
+
+
+def _joined_shape(value) -> tuple:
+    """Shape of `value`, or of its parts joined on the last axis when it is a tuple."""
+    if not isinstance(value, tuple):
+        return tuple(np.shape(value))
+    shapes = [tuple(np.shape(v)) for v in value]
+    return (*shapes[0][:-1], sum(s[-1] for s in shapes))

@@ -1,0 +1,276 @@
+"""Host-side slot and page allocators with SGLang's semantics, vectorised in numpy.
+
+Slot `s` lives in page `s // page_size`; page 0 is the padding sink and is never handed out.
+Freed pages wait in a release list and are merged into the free list, sorted, only when the
+free list runs short (SGLang's `need_sort` allocator), so a scheduler ported from SGLang sees
+the same slots in the same order. Unlike SGLang, a page freed twice is never listed twice.
+
+Example:
+    >>> a = PagedAllocator(size=16, page_size=4)
+    >>> a.alloc_extend(prefix_lens=[0, 0], seq_lens=[5, 2], last_loc=[-1, -1])
+    array([ 4,  5,  6,  7,  8, 12, 13])
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["TokenAllocator", "PagedAllocator", "ReqToTokenPool"]
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _int_vector(name: str, x) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {arr.dtype}")
+    return arr.reshape(-1).astype(np.int64)
+
+
+def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
+    return -(-a // b)
+
+
+class _PageFreeList:
+    """Free pages `1..size//page_size` with SGLang's free/release lists."""
+
+    def __init__(self, size: int, page_size: int):
+        self.size = _positive("size", size)
+        self.page_size = _positive("page_size", page_size)
+        self.num_pages = self.size // self.page_size
+        self.clear()
+
+    def clear(self) -> None:
+        """Frees everything: pages are handed out in ascending order again."""
+        self._free = np.arange(1, self.num_pages + 1, dtype=np.int64)
+        self._release = np.zeros(0, np.int64)
+        self._is_free = np.ones(self.num_pages + 1, bool)
+        self._is_free[0] = False
+
+    def available_size(self) -> int:
+        """Free tokens (whole free pages times the page size)."""
+        return (self._free.size + self._release.size) * self.page_size
+
+    def _take_pages(self, n: int) -> np.ndarray | None:
+        if n > self._free.size:
+            if n > self._free.size + self._release.size:
+                return None
+            self._free = np.sort(np.concatenate([self._free, self._release]))
+            self._release = np.zeros(0, np.int64)
+        pages, self._free = self._free[:n], self._free[n:]
+        self._is_free[pages] = False
+        return pages
+
+    def _pages_to_slots(self, pages: np.ndarray) -> np.ndarray:
+        return (pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+
+    def alloc(self, need_size: int) -> np.ndarray | None:
+        """`need_size` unique slots (whole pages, in free-list order), or `None` if short."""
+        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) or (
+            need_size < 0
+        ):
+            raise ValueError(f"need_size: expected an int >= 0, got {need_size!r}")
+        if need_size % self.page_size:
+            raise ValueError(
+                f"need_size: expected a multiple of page_size={self.page_size}, got {need_size}"
+            )
+        pages = self._take_pages(need_size // self.page_size)
+        return None if pages is None else self._pages_to_slots(pages)
+
+    def free(self, free_index) -> None:
+        """Frees the pages holding `free_index` slots; page 0, out-of-range slots, duplicates
+        and pages already free are ignored."""
+        slots = _int_vector("free_index", free_index)
+        slots = slots[(slots >= self.page_size) & (slots < (self.num_pages + 1) * self.page_size)]
+        pages = np.unique(slots // self.page_size)
+        pages = pages[~self._is_free[pages]]
+        self._is_free[pages] = True
+        self._release = np.concatenate([self._release, pages])
+
+    def backup_state(self):
+        """A snapshot of the free lists (a copy: later calls do not change it)."""
+        return (self._free.copy(), self._release.copy(), self._is_free.copy())
+
+    def restore_state(self, state) -> None:
+        free, release, is_free = state
+        self._free, self._release, self._is_free = free.copy(), release.copy(), is_free.copy()
+
+
+class TokenAllocator(_PageFreeList):
+    """Token-granular slots `1..size` (SGLang's `TokenToKVPoolAllocator`).
+
+    Example:
+        >>> TokenAllocator(8).alloc(3)
+        array([1, 2, 3])
+    """
+
+    def __init__(self, size: int):
+        super().__init__(size, 1)
+
+
+class PagedAllocator(_PageFreeList):
+    """Pages `1..size//page_size` of `page_size` slots (SGLang's
+    `PagedTokenToKVPoolAllocator`), with `alloc_extend` and `alloc_decode`."""
+
+    def alloc_extend(self, prefix_lens, seq_lens, last_loc) -> np.ndarray | None:
+        """Slots for extending each request from `prefix_lens[i]` to `seq_lens[i]` tokens.
+
+        Per request, in order: finish the partial page after `last_loc[i]`, then whole new
+        pages, then the start of one more page; new pages come from the free list in order.
+        Returns the new slots concatenated in request order, or `None` (consuming nothing)
+        when pages run short.
+        """
+        prefix = _int_vector("prefix_lens", prefix_lens)
+        seq = _int_vector("seq_lens", seq_lens)
+        last = _int_vector("last_loc", last_loc)
+        if not prefix.size == seq.size == last.size:
+            raise ValueError(
+                "prefix_lens, seq_lens, last_loc: expected equal lengths, got "
+                f"{prefix.size}, {seq.size}, {last.size}"
+            )
+        if np.any(prefix < 0) or np.any(seq < prefix):
+            i = int(np.flatnonzero((prefix < 0) | (seq < prefix))[0])
+            raise ValueError(
+                f"seq_lens: expected 0 <= prefix_lens[i] <= seq_lens[i], got prefix_lens[{i}]="
+                f"{prefix[i]}, seq_lens[{i}]={seq[i]}"
+            )
+        p = self.page_size
+        held = _ceil_div(prefix, p) * p  # end of the request's last held page
+        n_partial = np.minimum(seq, held) - prefix
+        self._check_last_loc(last, prefix, n_partial > 0)
+        new_pages = _ceil_div(seq, p) - _ceil_div(prefix, p)
+        pages = self._take_pages(int(new_pages.sum()))
+        if pages is None:
+            return None
+        n_new = seq - prefix
+        req = np.repeat(np.arange(seq.size), n_new)
+        j = np.arange(req.size) - np.repeat(np.cumsum(n_new) - n_new, n_new)
+        k = j - n_partial[req]  # index among the tokens going to new pages
+        page_start = np.cumsum(new_pages) - new_pages
+        out = last[req] + 1 + j
+        m = k >= 0
+        out[m] = pages[page_start[req[m]] + k[m] // p] * p + k[m] % p
+        return out
+
+    def alloc_decode(self, seq_lens, last_loc) -> np.ndarray | None:
+        """One slot per request for its `seq_lens[i]`-th token: `last_loc[i] + 1`, or the first
+        slot of a new page when the token starts one. `None` (consuming nothing) if short."""
+        seq = _int_vector("seq_lens", seq_lens)
+        last = _int_vector("last_loc", last_loc)
+        if seq.size != last.size:
+            raise ValueError(
+                f"seq_lens, last_loc: expected equal lengths, got {seq.size}, {last.size}"
+            )
+        if np.any(seq < 1):
+            i = int(np.flatnonzero(seq < 1)[0])
+            raise ValueError(f"seq_lens: expected >= 1 (it counts the new token), got "
+                             f"seq_lens[{i}]={seq[i]}")
+        starts_page = (seq - 1) % self.page_size == 0
+        self._check_last_loc(last, seq - 1, ~starts_page)
+        pages = self._take_pages(int(starts_page.sum()))
+        if pages is None:
+            return None
+        out = last + 1
+        out[starts_page] = pages * self.page_size
+        return out
+
+    def _check_last_loc(self, last: np.ndarray, prefix: np.ndarray, used: np.ndarray) -> None:
+        # A request's token i sits at page offset i % page_size, so the slot after last_loc
+        # must continue that pattern inside a real page; anything else would hand out a slot
+        # of a page the request does not hold.
+        bad = used & ((last < self.page_size) | ((last + 1) % self.page_size
+                                                  != prefix % self.page_size))
+        if np.any(bad):
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"last_loc: expected the slot of request {i}'s last prefix token (page offset "
+                f"{(prefix[i] - 1) % self.page_size}, not page 0), got last_loc[{i}]={last[i]}"
+            )
+
+
+def _bucket(n: int) -> int:
+    # Slot writes are padded to a power of two so `write` compiles O(log max_context_len) times.
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _write_row(table, row, cols, slots):
+    return table.at[row, cols].set(slots, mode="drop", wrap_negative_indices=False)
+
+
+_write_row_donated = jax.jit(_write_row, donate_argnums=0)
+_write_row_copy = jax.jit(_write_row)
+
+
+class _RowFreeList:
+    def __init__(self, size: int):
+        self.size = size
+        self.free_slots = list(range(size))
+
+
+class ReqToTokenPool:
+    """Request rows -> token slots table: `req_to_token` int32 `(size, max_context_len)`.
+
+    Row bookkeeping (`alloc`, `free`) is host-side and shared by every `ReqToTokenPool`
+    returned from `write`; the table itself is a device array updated functionally.
+    """
+
+    def __init__(self, size: int, max_context_len: int, *, _rows=None, _table=None):
+        self.size = _positive("size", size)
+        self.max_context_len = _positive("max_context_len", max_context_len)
+        self._rows = _rows if _rows is not None else _RowFreeList(self.size)
+        self.req_to_token = (
+            _table if _table is not None else jnp.zeros((self.size, self.max_context_len), jnp.int32)
+        )
+
+    def available_size(self) -> int:
+        return len(self._rows.free_slots)
+
+    def alloc(self, need_size: int = 1) -> list[int] | None:
+        """`need_size` free rows, or `None` (taking none) when fewer are free."""
+        free = self._rows.free_slots
+        if need_size > len(free):
+            return None
+        out, self._rows.free_slots = free[:need_size], free[need_size:]
+        return out
+
+    def free(self, free_index) -> None:
+        """Returns a row (int) or rows (iterable) to the free list."""
+        rows = [free_index] if isinstance(free_index, (int, np.integer)) else list(free_index)
+        for r in rows:
+            if not 0 <= int(r) < self.size:
+                raise IndexError(f"free_index: expected rows in [0, {self.size}), got {r}")
+        self._rows.free_slots.extend(int(r) for r in rows)
+
+    def clear(self) -> None:
+        self._rows.free_slots = list(range(self.size))
+
+    def write(self, row: int, start: int, slots, *, donate: bool = True) -> ReqToTokenPool:
+        """A new pool with `req_to_token[row, start:start+len(slots)] = slots`.
+
+        Eagerly the old table is donated (use the returned pool from then on); `donate=False`
+        keeps it valid at the cost of a full copy.
+        """
+        slots = _int_vector("slots", slots)
+        if not 0 <= row < self.size:
+            raise IndexError(f"row: expected a row in [0, {self.size}), got {row}")
+        if start < 0 or start + slots.size > self.max_context_len:
+            raise IndexError(
+                f"start: expected 0 <= start and start + len(slots) <= {self.max_context_len}, "
+                f"got start={start}, len(slots)={slots.size}"
+            )
+        n = _bucket(slots.size)
+        cols = np.full(n, -1, np.int32)
+        cols[: slots.size] = np.arange(start, start + slots.size)
+        vals = np.zeros(n, np.int32)
+        vals[: slots.size] = slots
+        fn = _write_row_donated if donate else _write_row_copy
+        table = fn(self.req_to_token, np.int32(row), cols, vals)
+        return ReqToTokenPool(self.size, self.max_context_len, _rows=self._rows, _table=table)

@@ -1,0 +1,315 @@
+"""KV pools: MHA (K and V), K-only, MLA (one latent row) and NSA (MLA plus fp8 indexer keys).
+
+Each pool is an immutable pytree of per-layer buffers in `store_dtype`. Updates are functional:
+they return a new pool and, eagerly, donate the buffers they replace (`donate=True`), so the
+cost of a write grows with the tokens written, never with the pool. Under a donating `jax.jit`
+they are in place. Slots outside `[0, size + page_size)` are dropped, never wrapped.
+
+Example:
+    >>> pool = MHAPool.create(size=64, head_num=2, head_dim=4, layer_num=1)
+    >>> k = jnp.ones((3, 2, 4), jnp.bfloat16)
+    >>> pool = pool.set_kv(0, jnp.array([1, 2, 3]), k, k)
+    >>> pool.get_key_buffer(0)[1, 0, 0]
+    Array(1, dtype=bfloat16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import _dtypes, _kernels
+from jaxkv._pool_base import BufferSpec, PoolBase, Write, pool_pytree, require_positive, zeros_buffers
+
+__all__ = ["MHAPool", "KOnlyPool", "MLAPool", "NSAPool"]
+
+_NO_V_READ = "{cls} does not allocate V: it stores K only; use get_key_buffer({layer})"
+_NO_V_WRITE = (
+    "{cls} does not store V: write K rows with set_k(layer_id, loc, cache_k, k_scale=None)"
+)
+
+
+class _KeyedPool(PoolBase):
+    """Pools whose K rows live in `KEY_BUFFER`; `set_k` and `get_key_buffer` are shared."""
+
+    KEY_BUFFER = "k_buffer"
+
+    def get_key_buffer(self, layer_id: int) -> jax.Array:
+        """The whole K buffer of `layer_id` (MLA/NSA: the latent rows), logical dtype."""
+        return self.read(self.KEY_BUFFER, layer_id)
+
+    def set_k(self, layer_id, loc, cache_k, k_scale=None, *, donate=True, check_bounds=False):
+        """Writes K rows only: `cache_k (T, *row)` into rows `loc (T,)`; returns the new pool.
+
+        Args:
+            layer_id: global layer id in `range(start_layer, start_layer + layer_num)`.
+            loc: int slots `(T,)`; entries outside `[0, size + page_size)` are dropped.
+            cache_k: any float array, converted to the pool dtype (fp8 saturates).
+            k_scale: optional scalar; `cache_k / k_scale` is stored.
+            donate: eagerly, hand the replaced buffer to the new pool (O(T)); `False` keeps the
+                old pool readable at O(pool) cost.
+            check_bounds: eagerly, raise `IndexError` on the first out-of-range slot.
+        """
+        self.check_scale("k_scale", k_scale)
+        write = Write(self.KEY_BUFFER, "cache_k", cache_k, k_scale)
+        return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class _HeadPool(_KeyedPool):
+    head_num: int
+    head_dim: int
+
+    def _k_spec(self) -> BufferSpec:
+        shape = (self.head_num, self.head_dim)
+        return BufferSpec("k_buffer", shape, self.store_dtype, _kernels.RowCodec(self.dtype))
+
+
+@pool_pytree
+class MHAPool(_HeadPool):
+    """Multi-head attention pool: `k_buffer[l] (rows, head_num, head_dim)` and `v_buffer[l]
+    (rows, head_num, v_head_dim)` per layer, `rows = size + page_size`."""
+
+    BUFFERS = ("k_buffer", "v_buffer")
+    v_head_dim: int
+    k_buffer: tuple[jax.Array, ...]
+    v_buffer: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(
+        cls, *, size, page_size=1, dtype=jnp.bfloat16, head_num, head_dim, layer_num,
+        v_head_dim=None, start_layer=0, sharding=None,
+    ) -> MHAPool:
+        """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        require_positive(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim)
+        dt = cls.validate_common(
+            size=size, page_size=page_size, layer_num=layer_num, start_layer=start_layer,
+            dtype=dtype,
+        )
+        rows, store = size + page_size, _dtypes.store_dtype_of(dt)
+        return cls(
+            size=int(size), page_size=int(page_size), dtype=dt, layer_num=int(layer_num),
+            start_layer=int(start_layer), sharding=sharding, head_num=int(head_num),
+            head_dim=int(head_dim), v_head_dim=int(v_head_dim),
+            k_buffer=zeros_buffers(layer_num, (rows, head_num, head_dim), store, sharding),
+            v_buffer=zeros_buffers(layer_num, (rows, head_num, v_head_dim), store, sharding),
+        )
+
+    def buffer_specs(self):
+        v_shape = (self.head_num, self.v_head_dim)
+        v = BufferSpec("v_buffer", v_shape, self.store_dtype, _kernels.RowCodec(self.dtype))
+        return (self._k_spec(), v)
+
+    def get_value_buffer(self, layer_id: int) -> jax.Array:
+        return self.read("v_buffer", layer_id)
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        return (sum(int(b.nbytes) for b in self.k_buffer), sum(int(b.nbytes) for b in self.v_buffer))
+
+    def set_kv(
+        self, layer_id, loc, cache_k, cache_v, k_scale=None, v_scale=None, *, donate=True,
+        check_bounds=False,
+    ) -> MHAPool:
+        """Writes `cache_k (T, head_num, head_dim)` and `cache_v (T, head_num, v_head_dim)` at
+        `loc (T,)` in one call; see `set_k` for the arguments and rules."""
+        self.check_scale("k_scale", k_scale)
+        self.check_scale("v_scale", v_scale)
+        writes = [
+            Write("k_buffer", "cache_k", cache_k, k_scale),
+            Write("v_buffer", "cache_v", cache_v, v_scale),
+        ]
+        return self.write(layer_id, loc, writes, donate=donate, check_bounds=check_bounds)
+
+
+@pool_pytree
+class KOnlyPool(_HeadPool):
+    """K-only pool (SGLang's `MHATokenToKOnlyPool`, MiniMax sparse index layers):
+    `k_buffer[l] (rows, head_num, head_dim)` and no `v_buffer` attribute at all."""
+
+    BUFFERS = ("k_buffer",)
+    k_buffer: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(
+        cls, *, size, page_size=1, dtype=jnp.bfloat16, head_num, head_dim, layer_num,
+        start_layer=0, sharding=None,
+    ) -> KOnlyPool:
+        """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
+        require_positive(head_num=head_num, head_dim=head_dim)
+        dt = cls.validate_common(
+            size=size, page_size=page_size, layer_num=layer_num, start_layer=start_layer,
+            dtype=dtype,
+        )
+        shape = (size + page_size, head_num, head_dim)
+        return cls(
+            size=int(size), page_size=int(page_size), dtype=dt, layer_num=int(layer_num),
+            start_layer=int(start_layer), sharding=sharding, head_num=int(head_num),
+            head_dim=int(head_dim),
+            k_buffer=zeros_buffers(layer_num, shape, _dtypes.store_dtype_of(dt), sharding),
+        )
+
+    def buffer_specs(self):
+        return (self._k_spec(),)
+
+    def get_value_buffer(self, layer_id: int):
+        raise NotImplementedError(_NO_V_READ.format(cls=type(self).__name__, layer=layer_id))
+
+    def get_kv_buffer(self, layer_id: int):
+        raise NotImplementedError(_NO_V_READ.format(cls=type(self).__name__, layer=layer_id))
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        return (sum(int(b.nbytes) for b in self.k_buffer), 0)
+
+    def set_kv(self, layer_id, loc, cache_k, cache_v=None, k_scale=None, v_scale=None, **kw):
+        raise NotImplementedError(_NO_V_WRITE.format(cls=type(self).__name__))
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class _LatentPool(_KeyedPool):
+    """MLA latent rows: `kv_buffer[l] (rows, 1, kv_lora_rank + qk_rope_head_dim)`."""
+
+    KEY_BUFFER = "kv_buffer"
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    def _kv_spec(self) -> BufferSpec:
+        row = (1, self.kv_lora_rank + self.qk_rope_head_dim)
+        return BufferSpec("kv_buffer", row, self.store_dtype, _kernels.RowCodec(self.dtype))
+
+    @staticmethod
+    def _latent_buffers(layer_num, rows, kv_lora_rank, qk_rope_head_dim, dtype, sharding):
+        shape = (rows, 1, kv_lora_rank + qk_rope_head_dim)
+        return zeros_buffers(layer_num, shape, _dtypes.store_dtype_of(dtype), sharding)
+
+    def get_value_buffer(self, layer_id: int) -> jax.Array:
+        """The `[..., :kv_lora_rank]` part of the latent rows (SGLang's V view)."""
+        return self.get_key_buffer(layer_id)[..., : self.kv_lora_rank]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def get_mla_kv(self, layer_id: int, loc) -> tuple[jax.Array, jax.Array]:
+        """`(k_nope (T, 1, kv_lora_rank), k_rope (T, 1, qk_rope_head_dim))` at slots `loc`;
+        out-of-range slots read as zeros."""
+        li = self.layer_index(layer_id)
+        spec = self._kv_spec()
+        buf = self.layer_buffer("kv_buffer", li)
+        bits = _kernels.read_slots(spec.codec, buf, self.prepare_loc(loc))
+        rows = _dtypes.decode(bits, self.dtype)
+        return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
+
+    def set_kv(
+        self, layer_id, loc, cache_k, cache_v=None, k_scale=None, v_scale=None, *, donate=True,
+        check_bounds=False,
+    ):
+        """Stores the latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; `cache_v`
+        and `v_scale` are ignored (K and V share the latent row, as in SGLang)."""
+        del cache_v, v_scale
+        return self.set_k(layer_id, loc, cache_k, k_scale, donate=donate, check_bounds=check_bounds)
+
+    def set_mla_kv(self, layer_id, loc, k_nope, k_rope, *, donate=True, check_bounds=False):
+        """Writes `k_nope (T, 1, kv_lora_rank)` and `k_rope (T, 1, qk_rope_head_dim)` as one
+        latent row per token."""
+        n = int(self.prepare_loc(loc).shape[0])
+        self.check_shape("k_nope", k_nope, (n, 1, self.kv_lora_rank))
+        self.check_shape("k_rope", k_rope, (n, 1, self.qk_rope_head_dim))
+        write = Write("kv_buffer", "k_nope/k_rope", (k_nope, k_rope))
+        return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
+
+
+@pool_pytree
+class MLAPool(_LatentPool):
+    """Multi-head latent attention pool (DeepSeek): one latent row per token and layer."""
+
+    BUFFERS = ("kv_buffer",)
+    kv_buffer: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(
+        cls, *, size, page_size=1, dtype=jnp.bfloat16, kv_lora_rank, qk_rope_head_dim,
+        layer_num, start_layer=0, sharding=None,
+    ) -> MLAPool:
+        """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
+        require_positive(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
+        dt = cls.validate_common(
+            size=size, page_size=page_size, layer_num=layer_num, start_layer=start_layer,
+            dtype=dtype,
+        )
+        kv = cls._latent_buffers(
+            layer_num, size + page_size, kv_lora_rank, qk_rope_head_dim, dt, sharding
+        )
+        return cls(
+            size=int(size), page_size=int(page_size), dtype=dt, layer_num=int(layer_num),
+            start_layer=int(start_layer), sharding=sharding, kv_lora_rank=int(kv_lora_rank),
+            qk_rope_head_dim=int(qk_rope_head_dim), kv_buffer=kv,
+        )
+
+    def buffer_specs(self):
+        return (self._kv_spec(),)
+
+
+@pool_pytree
+class NSAPool(_LatentPool):
+    """Native sparse attention pool (DeepSeek V3.2): MLA latent rows plus, per layer,
+    `index_k_with_scale_buffer[l]` uint8 `(pages, page_size * (index_head_dim + 4))`: each page
+    holds its tokens' fp8-e4m3 index keys, then one little-endian float32 scale per token."""
+
+    BUFFERS = ("kv_buffer", "index_k_with_scale_buffer")
+    index_head_dim: int
+    kv_buffer: tuple[jax.Array, ...]
+    index_k_with_scale_buffer: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(
+        cls, *, size, page_size=64, dtype=jnp.bfloat16, kv_lora_rank, qk_rope_head_dim,
+        layer_num, index_head_dim=128, start_layer=0, sharding=None,
+    ) -> NSAPool:
+        """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
+        require_positive(
+            kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+            index_head_dim=index_head_dim,
+        )
+        dt = cls.validate_common(
+            size=size, page_size=page_size, layer_num=layer_num, start_layer=start_layer,
+            dtype=dtype,
+        )
+        rows = size + page_size
+        index_shape = (rows // page_size, page_size * (index_head_dim + 4))
+        return cls(
+            size=int(size), page_size=int(page_size), dtype=dt, layer_num=int(layer_num),
+            start_layer=int(start_layer), sharding=sharding, kv_lora_rank=int(kv_lora_rank),
+            qk_rope_head_dim=int(qk_rope_head_dim), index_head_dim=int(index_head_dim),
+            kv_buffer=cls._latent_buffers(
+                layer_num, rows, kv_lora_rank, qk_rope_head_dim, dt, sharding
+            ),
+            index_k_with_scale_buffer=zeros_buffers(layer_num, index_shape, jnp.uint8, sharding),
+        )
+
+    def _index_spec(self) -> BufferSpec:
+        codec = _kernels.IndexCodec(self.page_size, self.index_head_dim)
+        row = (self.index_head_dim + 4,)
+        return BufferSpec(
+            "index_k_with_scale_buffer", row, jnp.dtype(jnp.uint8), codec, (self.index_head_dim,)
+        )
+
+    def buffer_specs(self):
+        return (self._kv_spec(), self._index_spec())
+
+    def get_index_k(self, layer_id: int, loc) -> jax.Array:
+        """Dequantised index keys float32 `(T, index_head_dim)` at slots `loc`."""
+        li = self.layer_index(layer_id)
+        spec = self._index_spec()
+        buf = self.layer_buffer("index_k_with_scale_buffer", li)
+        return spec.codec.dequantize(_kernels.read_slots(spec.codec, buf, self.prepare_loc(loc)))
+
+    def set_index_k(self, layer_id, loc, index_k, *, donate=True, check_bounds=False) -> NSAPool:
+        """Quantises `index_k (T, index_head_dim)` per token to fp8-e4m3 with scale
+        `amax / 448` and packs keys and scales into each slot's page."""
+        write = Write("index_k_with_scale_buffer", "index_k", index_k)
+        return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
