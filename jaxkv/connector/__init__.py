@@ -1,0 +1,23 @@
+"""Block connector: move KV blocks between pools and host, disk (and later remote) stores.
+
+Blocks are keyed by chained SHA-256 hashes of their token ids, namespaced by model, layout and
+an optional tenant salt, and reloaded bit-exact; a record that fails verification is never
+loaded.
+"""
+
+from jaxkv.connector._connector import KVConnector, min_block_count
+from jaxkv.connector._records import BlockRecord, CorruptRecordError
+from jaxkv.connector.disk import DiskStore
+from jaxkv.connector.stores import BlockStore, HostStore
+from jaxkv.errors import UnsupportedKVCacheError
+
+__all__ = [
+    "KVConnector",
+    "HostStore",
+    "DiskStore",
+    "BlockStore",
+    "BlockRecord",
+    "CorruptRecordError",
+    "min_block_count",
+    "UnsupportedKVCacheError",
+]

@@ -1,0 +1,213 @@
+"""`KVConnector`: store and reload KV blocks of a prefix, keyed by chained token hashes.
+
+Example:
+    >>> pool = MHAPool.create(size=256, head_num=2, head_dim=8, layer_num=2)
+    >>> conn = KVConnector(pool, HostStore(1 << 26))
+    >>> conn.store(pool, tokens, slots)            # blocks of 16 tokens, returns blocks written
+    >>> pool, n = conn.load(pool, tokens, new_slots)   # n tokens copied back, bit-exact
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.connector import _hashing
+from jaxkv.connector._layout import PoolView, gather_blocks, view_of
+from jaxkv.connector._records import BlockRecord
+from jaxkv.connector.stores import BlockStore
+
+
+def min_block_count(per_rank_counts: Sequence[int]) -> int:
+    """The block count every rank can hold: the minimum of the ranks' counts.
+
+    Tensor-parallel ranks must agree on one block count for a shared store (SGLang's FlexKV
+    MIN-aligns them); pass each rank's count, for instance gathered with an all-reduce.
+    """
+    counts = [int(c) for c in per_rank_counts]
+    if not counts or min(counts) < 0:
+        raise ValueError(f"per_rank_counts: expected non-negative counts, got {per_rank_counts!r}")
+    return min(counts)
+
+
+class KVConnector:
+    """Moves whole blocks of KV between a pool and a `BlockStore`.
+
+    Args:
+        pool: a jaxkv pool, or an object with SGLang-style per-layer buffers (`kv_buffer`
+            [+ `index_k_with_scale_buffer`], `k_buffer` + `v_buffer`, or `k_buffer`).
+        store: where blocks go (`HostStore`, `DiskStore`, or any `BlockStore`).
+        block_size: tokens per block; defaults to the pool's page size when above 1, else 16;
+            must be a positive multiple of the page size.
+        namespace: separates models (or deployments) sharing one store.
+        shard: which shard of a model this pool holds, for per-rank pools of tensor-parallel
+            deployments (e.g. "tp3of8"); jaxkv pools export full rows and keep "full".
+
+    Raises:
+        UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes.
+        ValueError: a bad `block_size`.
+    """
+
+    def __init__(self, pool, store: BlockStore, *, block_size: int | None = None,
+                 namespace: str = "default", shard: str = "full"):
+        view = view_of(pool)
+        page = view.layout.page_size
+        if block_size is None:
+            block_size = page if page > 1 else 16
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or (
+            block_size <= 0 or block_size % page
+        ):
+            raise ValueError(
+                f"block_size: expected a positive multiple of the page size {page}, "
+                f"got {block_size!r}"
+            )
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace: expected a str, got {type(namespace).__name__}")
+        self.backend = store
+        self.block_size = int(block_size)
+        self.namespace = namespace
+        self.layout = dataclasses.replace(view.layout, shard=str(shard))
+        self.fingerprint = self.layout.fingerprint(self.block_size)
+        self._counters = dict.fromkeys(
+            ("lookups", "hit_blocks", "blocks_stored", "blocks_loaded", "bytes_stored",
+             "bytes_loaded", "verification_failures"), 0,
+        )
+
+    # ---- keys -----------------------------------------------------------------------------
+
+    def _digests(self, token_ids, salt) -> tuple[list[bytes], bytes]:
+        data = _hashing.token_bytes(token_ids)
+        root = _hashing.root_hash(self.namespace, self.fingerprint, salt)
+        return _hashing.chain(root, data, self.block_size), data
+
+    def block_hashes(self, token_ids, *, salt: str | bytes | None = None) -> list[str]:
+        """Hex keys of every full block of `token_ids`, chained: block i's key covers all
+        tokens up to its end, under this connector's namespace, layout and `salt`."""
+        return [d.hex() for d in self._digests(token_ids, salt)[0]]
+
+    def lookup(self, token_ids, *, salt: str | bytes | None = None) -> int:
+        """Leading tokens (a multiple of `block_size`) whose blocks are all stored."""
+        n = 0
+        for digest in self._digests(token_ids, salt)[0]:
+            if not self.backend.contains(digest.hex()):
+                break
+            n += 1
+        self._counters["lookups"] += 1
+        self._counters["hit_blocks"] += n
+        return n * self.block_size
+
+    # ---- transfers ----------------------------------------------------------------------
+
+    def _view(self, pool) -> PoolView:
+        view = view_of(pool)
+        layout = dataclasses.replace(view.layout, shard=self.layout.shard)
+        if layout.fingerprint(self.block_size) != self.fingerprint:
+            raise ValueError(
+                f"pool: expected the layout this connector was made for ({self.layout.kind}, "
+                f"{self.layout.dtype}, {self.layout.layer_num} layers), got {layout.kind}, "
+                f"{layout.dtype}, {layout.layer_num} layers"
+            )
+        return view
+
+    def _slots(self, slots, n: int, rows: int, arg: str = "slots") -> np.ndarray:
+        arr = np.asarray(slots)
+        if arr.ndim != 1 or arr.shape[0] != n:
+            raise ValueError(f"{arg}: expected shape ({n},), got {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"{arg}: expected integer slots, got dtype {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= rows))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{arg}[{i}] = {int(arr[i])} is outside the pool's rows [0, {rows})")
+        return arr.astype(np.int32)
+
+    def export_blocks(self, pool, slots) -> dict[str, np.ndarray]:
+        """Gathers the blocks at `slots` (a multiple of `block_size` long) on the device into
+        block-major staging arrays `(n_blocks, layer_num, block_size, *row)` of raw bits and
+        hands them to the host through DLPack (no further copy on CPU)."""
+        view = self._view(pool)
+        n = int(np.shape(slots)[0]) if np.ndim(slots) == 1 else -1
+        if n < 0 or n % self.block_size:
+            raise ValueError(
+                f"slots: expected a multiple of block_size={self.block_size} slots, "
+                f"got shape {np.shape(slots)}"
+            )
+        return gather_blocks(view, self._slots(slots, n, view.layout.rows), self.block_size)
+
+    def store(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> int:
+        """Stores the full blocks of `token_ids` not already stored; `slots[t]` is the pool row
+        of token `t`. Returns the number of blocks newly written."""
+        view = self._view(pool)
+        digests, data = self._digests(token_ids, salt)
+        slots = self._slots(slots, len(data) // 4, view.layout.rows)
+        missing = [i for i, d in enumerate(digests) if not self.backend.contains(d.hex())]
+        if not missing:
+            return 0
+        bs = self.block_size
+        rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in missing])
+        staged = gather_blocks(view, rows, bs)
+        written = 0
+        for j, i in enumerate(missing):
+            record = BlockRecord(
+                key=digests[i].hex(),
+                layout=self.fingerprint,
+                tokens=_hashing.block_digest(data[4 * i * bs : 4 * (i + 1) * bs]),
+                parts={key: arr[j] for key, arr in staged.items()},
+            )
+            if self.backend.put(record):
+                written += 1
+                self._counters["bytes_stored"] += record.nbytes
+        self._counters["blocks_stored"] += written
+        return written
+
+    def load(self, pool, token_ids, slots, *, salt: str | bytes | None = None):
+        """Copies the longest stored prefix of `token_ids` into rows `slots[:n]`, bit-exact.
+
+        Every record is checked against its key, this layout and its block's token ids; the
+        first block that fails ends the prefix (corrupt data is never loaded). Like eager
+        updates, a jaxkv pool passed in is consumed: use the returned one.
+
+        Returns:
+            `(new_pool, n_loaded_tokens)`.
+        """
+        view = self._view(pool)
+        digests, data = self._digests(token_ids, salt)
+        slots = self._slots(slots, len(data) // 4, view.layout.rows)
+        bs = self.block_size
+        records: list[BlockRecord] = []
+        for i, digest in enumerate(digests):
+            record = self.backend.get(digest.hex())
+            if record is None:
+                break
+            if not self._valid(record, data[4 * i * bs : 4 * (i + 1) * bs]):
+                self._counters["verification_failures"] += 1
+                break
+            records.append(record)
+        if not records:
+            return pool, 0
+        n = len(records) * bs
+        staging = [np.stack([r.parts[p.key] for r in records]) for p in view.layout.parts]
+        new_pool = view.write(slots[:n], staging)
+        self._counters["blocks_loaded"] += len(records)
+        self._counters["bytes_loaded"] += sum(r.nbytes for r in records)
+        return new_pool, n
+
+    def _valid(self, record: BlockRecord, block_tokens: bytes) -> bool:
+        if record.layout != self.fingerprint:
+            return False
+        if record.tokens != _hashing.block_digest(block_tokens):
+            return False
+        if set(record.parts) != {p.key for p in self.layout.parts}:
+            return False
+        for p in self.layout.parts:
+            arr = record.parts[p.key]
+            want = (self.layout.layer_num, self.block_size, *p.row_shape)
+            if arr.shape != want or arr.dtype != p.bits_dtype:
+                return False
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Connector counters, with the store's under `"store"`."""
+        return {**self._counters, "store": self.backend.stats()}

@@ -1,0 +1,60 @@
+"""Chained SHA-256 block keys, identical across processes and machines.
+
+`h_0 = SHA256("jaxkv-block-v1" | namespace | layout fingerprint | salt)` and
+`h_i = SHA256(h_{i-1} | tokens of block i as 4-byte little-endian)`: block i's key covers every
+token up to its end, and the root keeps models, layouts and tenants apart (a tenant salt stops
+one tenant from probing another's prefixes through cache timing, vLLM's CVE-2025-46570).
+Python's `hash()` is salted per process and is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+_DOMAIN = b"jaxkv-block-v1"
+
+
+def token_bytes(token_ids) -> bytes:
+    """Token ids as 4-byte little-endian words; rejects ids that do not fit."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids: expected shape (n,), got {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"token_ids: expected integer token ids, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token_ids: expected ids in [0, 2**32), got "
+                         f"[{arr.min()}, {arr.max()}]")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def root_hash(namespace: str, layout_fingerprint: str, salt: str | bytes | None) -> bytes:
+    h = hashlib.sha256(_DOMAIN)
+    for field in (namespace.encode(), layout_fingerprint.encode()):
+        h.update(len(field).to_bytes(8, "little"))
+        h.update(field)
+    if salt is None:
+        h.update(b"\xff" * 8)  # distinct from every salt, the empty one included
+    else:
+        raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
+    return h.digest()
+
+
+def chain(root: bytes, data: bytes, block_size: int) -> list[bytes]:
+    """Digests of every full block of `data` (4 bytes per token), chained from `root`."""
+    step = 4 * block_size
+    mv = memoryview(data)
+    out, prev = [], root
+    sha = hashlib.sha256
+    for start in range(0, len(data) - step + 1, step):
+        prev = sha(prev + mv[start : start + step]).digest()
+        out.append(prev)
+    return out
+
+
+def block_digest(data: bytes) -> str:
+    """Fingerprint of one block's own token bytes, kept in each record for verification."""
+    return hashlib.sha256(data).hexdigest()

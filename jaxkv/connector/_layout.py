@@ -1,0 +1,284 @@
+"""Finding a pool's per-layer buffers, and moving whole blocks of them to and from staging.
+
+`view_of(pool)` returns a `PoolView`: the pool's layout (what the block keys are namespaced by)
+and its buffers as parts (`"k"`, `"v"`, `"kv"`, `"index_k"`). jaxkv pools describe themselves;
+any other object is read by SGLang's attribute names. Gathers and scatters run on the device
+in one jitted call over every layer and part; only the block-major staging array crosses to
+the host, so the live pool buffers are never referenced by an export (a live export would turn
+the next donated update into a full copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import _dtypes, _kernels
+from jaxkv._pool_base import PoolBase
+from jaxkv.errors import UnsupportedKVCacheError
+
+# jaxkv buffer attribute -> export key.
+_PART_KEYS = {"k_buffer": "k", "v_buffer": "v", "kv_buffer": "kv", "index_k_with_scale_buffer": "index_k"}
+_KINDS = {"MHAPool": "mha", "KOnlyPool": "k_only", "MLAPool": "mla", "NSAPool": "nsa"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One exported buffer family: `layer_num` buffers of `row_shape` entries per token."""
+
+    key: str
+    attr: str
+    row_shape: tuple[int, ...]
+    bits_dtype: np.dtype
+    codec: _kernels.Codec
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Everything that must match for a stored block to be meaningful in a pool."""
+
+    kind: str
+    dtype: str
+    page_size: int
+    start_layer: int
+    layer_num: int
+    rows: int
+    parts: tuple[Part, ...]
+    shard: str = "full"
+
+    def fingerprint(self, block_size: int) -> str:
+        """A stable hex digest of the layout and block size (never Python's salted `hash`)."""
+        desc = {
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "layers": [self.start_layer, self.start_layer + self.layer_num],
+            "block_size": block_size,
+            "shard": self.shard,
+            "parts": [[p.key, list(p.row_shape), p.bits_dtype.name] for p in self.parts],
+        }
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+
+
+_UNSUPPORTED = (
+    "Unsupported KV cache type {name}: expected kv_buffer (MLA/NSA) or k_buffer/v_buffer (MHA), "
+    "or k_buffer alone (K-only), each a sequence of per-layer arrays that support DLPack"
+)
+
+
+def _device_array(x) -> jax.Array:
+    """A jax view of a foreign buffer (zero-copy through DLPack where the producer allows)."""
+    if isinstance(x, jax.Array):
+        return x
+    if isinstance(x, np.ndarray):
+        return jax.dlpack.from_dlpack(np.ascontiguousarray(x))
+    if hasattr(x, "__dlpack__"):
+        return jax.dlpack.from_dlpack(x)
+    raise TypeError(f"expected an array supporting DLPack, got {type(x).__name__}")
+
+
+class PoolView:
+    """A pool's layout plus access to its per-layer buffers for block transfers."""
+
+    def __init__(self, pool, layout: Layout):
+        self.pool = pool
+        self.layout = layout
+
+    def arrays(self) -> tuple[tuple[jax.Array, ...], ...]:
+        """Per part, the layer buffers as jax arrays."""
+        return tuple(
+            tuple(_device_array(b) for b in getattr(self.pool, p.attr)) for p in self.layout.parts
+        )
+
+    def write(self, slots: np.ndarray, staging: Sequence[np.ndarray]):
+        """Writes block-major `staging` (one array per part) at `slots`; returns the pool."""
+        raise NotImplementedError
+
+
+class _JaxkvView(PoolView):
+    def arrays(self):
+        return tuple(
+            tuple(self.pool.layer_buffer(p.attr, i) for i in range(self.layout.layer_num))
+            for p in self.layout.parts
+        )
+
+    def write(self, slots, staging):
+        codecs = tuple(p.codec for p in self.layout.parts)
+        new = _scatter_donated(self.arrays(), jnp.asarray(slots, jnp.int32), tuple(staging), codecs)
+        changes = {p.attr: bufs for p, bufs in zip(self.layout.parts, new)}
+        return dataclasses.replace(self.pool, **changes)
+
+
+class _ForeignView(PoolView):
+    """SGLang-shaped objects: jax buffers are replaced functionally (the object's sequence is
+    swapped for the new arrays); host buffers numpy can write are updated in place."""
+
+    def write(self, slots, staging):
+        for part, block_rows in zip(self.layout.parts, staging):
+            layers = getattr(self.pool, part.attr)
+            rows = _token_major(block_rows)
+            if all(isinstance(b, jax.Array) for b in layers):
+                new = _scatter_donated(
+                    (tuple(layers),), jnp.asarray(slots, jnp.int32), (block_rows,), (part.codec,)
+                )[0]
+                setattr(self.pool, part.attr, type(layers)(new) if isinstance(layers, list) else new)
+                continue
+            for li, buf in enumerate(layers):
+                host = np.from_dlpack(buf) if not isinstance(buf, np.ndarray) else buf
+                if not host.flags.writeable:
+                    raise TypeError(
+                        f"{part.attr}[{li}]: cannot write into a read-only "
+                        f"{type(buf).__name__}; pass writable host arrays or jax arrays"
+                    )
+                _numpy_write(part.codec, host, slots, rows[li])
+        return self.pool
+
+
+def _numpy_write(codec, host: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+    rows = rows.view(host.dtype) if rows.dtype != host.dtype else rows
+    if isinstance(codec, _kernels.RowCodec):
+        host[slots] = rows
+        return
+    keys, scales = codec._flat_index(jnp.asarray(slots, jnp.int32), host.shape[0])
+    flat = host.reshape(-1)
+    flat[np.asarray(keys)] = rows[:, : codec.head_dim]
+    flat[np.asarray(scales)] = rows[:, codec.head_dim :]
+
+
+def _token_major(block_rows: np.ndarray) -> np.ndarray:
+    """(blocks, layers, block_size, *row) -> (layers, blocks*block_size, *row)."""
+    nb, nl, bs = block_rows.shape[:3]
+    return np.swapaxes(block_rows, 0, 1).reshape(nl, nb * bs, *block_rows.shape[3:])
+
+
+def view_of(pool) -> PoolView:
+    """Describes `pool`: a jaxkv pool, or any object with SGLang's buffer attributes."""
+    if isinstance(pool, PoolBase):
+        return _JaxkvView(pool, _jaxkv_layout(pool))
+    return _ForeignView(pool, _foreign_layout(pool))
+
+
+def _jaxkv_layout(pool: PoolBase) -> Layout:
+    parts = tuple(
+        Part(_PART_KEYS[s.name], s.name, tuple(s.row_shape), jnp.dtype(s.store_dtype), s.codec)
+        for s in pool.buffer_specs()
+    )
+    return Layout(
+        kind=_KINDS[type(pool).__name__], dtype=pool.dtype.name, page_size=pool.page_size,
+        start_layer=pool.start_layer, layer_num=pool.layer_num, rows=pool.rows, parts=parts,
+    )
+
+
+def _layers(pool, attr: str) -> list | None:
+    layers = getattr(pool, attr, None)
+    if layers is None:
+        return None
+    try:
+        layers = list(layers)
+    except TypeError:
+        return None
+    if not layers or not all(hasattr(b, "shape") and hasattr(b, "dtype") for b in layers):
+        return None
+    return layers
+
+
+def _foreign_layout(pool) -> Layout:
+    name = type(pool).__name__
+    kv, k, v = _layers(pool, "kv_buffer"), _layers(pool, "k_buffer"), _layers(pool, "v_buffer")
+    index = _layers(pool, "index_k_with_scale_buffer")
+    if kv is not None:
+        families = [("kv_buffer", kv)] + ([("index_k_with_scale_buffer", index)] if index else [])
+        kind = "nsa" if index else "mla"
+    elif k is not None:
+        families = [("k_buffer", k)] + ([("v_buffer", v)] if v is not None else [])
+        kind = "mha" if v is not None else "k_only"
+    else:
+        raise UnsupportedKVCacheError(_UNSUPPORTED.format(name=name))
+    main = families[0][1]
+    rows = int(main[0].shape[0])
+    for attr, layers in families:
+        for li, b in enumerate(layers):
+            if len(layers) != len(main):
+                raise UnsupportedKVCacheError(
+                    f"Unsupported KV cache type {name}: {attr} has {len(layers)} layers, "
+                    f"{families[0][0]} has {len(main)}"
+                )
+            if attr != "index_k_with_scale_buffer" and int(b.shape[0]) != rows:
+                raise UnsupportedKVCacheError(
+                    f"Unsupported KV cache type {name}: {attr}[{li}] has {b.shape[0]} rows, "
+                    f"expected {rows}"
+                )
+    page_size = int(getattr(pool, "page_size", 1) or 1)
+    parts = []
+    for attr, layers in families:
+        b = layers[0]
+        dt = jnp.dtype(b.dtype)
+        if attr == "index_k_with_scale_buffer":
+            pages = int(b.shape[0])
+            page_size = rows // pages if pages else page_size
+            head_dim = int(b.shape[1]) // page_size - 4
+            codec = _kernels.IndexCodec(page_size, head_dim)
+            parts.append(Part("index_k", attr, (head_dim + 4,), jnp.dtype(jnp.uint8), codec))
+        else:
+            row = tuple(int(d) for d in b.shape[1:])
+            parts.append(Part(_PART_KEYS[attr], attr, row, _dtypes.bits_dtype(dt), _kernels.RowCodec(dt)))
+    return Layout(
+        kind=kind, dtype=jnp.dtype(main[0].dtype).name, page_size=page_size,
+        start_layer=int(getattr(pool, "start_layer", 0) or 0), layer_num=len(main), rows=rows,
+        parts=tuple(parts),
+    )
+
+
+# ---- device kernels ---------------------------------------------------------------------
+
+
+def _gather(arrays, slots, codecs, block_size):
+    out = []
+    for bufs, codec in zip(arrays, codecs):
+        rows = jnp.stack([_dtypes.to_bits(codec.read(b, slots)) for b in bufs])  # (L, T, *row)
+        nl, t = rows.shape[:2]
+        rows = rows.reshape(nl, t // block_size, block_size, *rows.shape[2:])
+        out.append(jnp.swapaxes(rows, 0, 1))
+    return tuple(out)
+
+
+def _scatter(arrays, slots, staging, codecs):
+    new = []
+    for bufs, codec, st in zip(arrays, codecs, staging):
+        nb, nl, bs = st.shape[:3]
+        rows = jnp.swapaxes(st, 0, 1).reshape(nl, nb * bs, *st.shape[3:])
+        new.append(
+            tuple(
+                codec.load(b, slots, _dtypes.from_bits(rows[li], b.dtype))
+                for li, b in enumerate(bufs)
+            )
+        )
+    return tuple(new)
+
+
+_gather_jit = jax.jit(_gather, static_argnums=(2, 3))
+_scatter_donated = jax.jit(_scatter, static_argnums=(3,), donate_argnums=(0,))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A host numpy view of a device array: zero-copy on CPU, via pinned host memory elsewhere."""
+    if len(x.sharding.device_set) > 1:
+        first = min(x.sharding.device_set, key=lambda d: d.id)
+        x = jax.device_put(x, jax.sharding.SingleDeviceSharding(first))
+    dev = next(iter(x.devices()))
+    if dev.platform != "cpu":
+        x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    return np.from_dlpack(x)
+
+
+def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
+    """Block-major staging arrays `(n_blocks, layer_num, block_size, *row)`, one per part."""
+    codecs = tuple(p.codec for p in view.layout.parts)
+    staged = _gather_jit(view.arrays(), jnp.asarray(slots, jnp.int32), codecs, block_size)
+    return {p.key: to_host(x) for p, x in zip(view.layout.parts, staged)}

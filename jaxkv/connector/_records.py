@@ -1,0 +1,106 @@
+"""Block records and their self-describing byte form, shared by every store.
+
+A record is one block of one pool layout: per part, an array `(layer_num, block_size, *row)` of
+raw bits, plus the block key, the layout fingerprint and a fingerprint of the block's own token
+ids. Its byte form, which any byte-oriented store (disk, remote) keeps as one value:
+
+    magic "JAXKVBLK" | version u32 | header length u32 | header (JSON) | payload | crc32 u32
+
+The header names the key, layout, token fingerprint and each part's dtype, shape and byte
+range; the CRC covers everything before it. `decode` checks every field against the bytes it
+was given and raises `CorruptRecordError` on any mismatch: a damaged or truncated record is never
+served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import zlib
+from collections.abc import Mapping
+
+import numpy as np
+
+MAGIC = b"JAXKVBLK"
+VERSION = 1
+_PREFIX = struct.Struct("<8sII")
+_CRC = struct.Struct("<I")
+
+
+class CorruptRecordError(ValueError):
+    """Stored bytes that are not an intact record of the expected key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRecord:
+    """One stored block: `parts[name]` has shape `(layer_num, block_size, *row)`."""
+
+    key: str
+    layout: str
+    tokens: str
+    parts: Mapping[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.parts.values())
+
+    def frozen_copy(self) -> BlockRecord:
+        """A copy whose arrays nobody else holds, marked read-only."""
+        parts = {}
+        for name, arr in self.parts.items():
+            own = np.array(arr, copy=True, order="C")
+            own.flags.writeable = False
+            parts[name] = own
+        return dataclasses.replace(self, parts=parts)
+
+
+def encode(record: BlockRecord) -> bytes:
+    """The record's byte form (see the module docstring)."""
+    parts, offset = [], 0
+    for name, arr in record.parts.items():
+        parts.append([name, arr.dtype.str, list(arr.shape), offset, int(arr.nbytes)])
+        offset += int(arr.nbytes)
+    header = json.dumps(
+        {"key": record.key, "layout": record.layout, "tokens": record.tokens, "parts": parts,
+         "payload": offset},
+        separators=(",", ":"),
+    ).encode()
+    body = b"".join(
+        [_PREFIX.pack(MAGIC, VERSION, len(header)), header]
+        + [np.ascontiguousarray(a).tobytes() for a in record.parts.values()]
+    )
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode(data: bytes, key: str) -> BlockRecord:
+    """Parses and verifies `data` as the record of `key`; raises `CorruptRecordError`."""
+    mv = memoryview(data)
+    if len(mv) < _PREFIX.size + _CRC.size:
+        raise CorruptRecordError(f"record {key}: {len(mv)} bytes is shorter than any record")
+    magic, version, header_len = _PREFIX.unpack_from(mv)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptRecordError(f"record {key}: bad magic or version {magic!r} v{version}")
+    (crc,) = _CRC.unpack_from(mv, len(mv) - _CRC.size)
+    if zlib.crc32(mv[: len(mv) - _CRC.size]) != crc:
+        raise CorruptRecordError(f"record {key}: checksum mismatch")
+    start = _PREFIX.size + header_len
+    try:
+        header = json.loads(bytes(mv[_PREFIX.size : start]))
+        payload = mv[start : len(mv) - _CRC.size]
+        if header["key"] != key:
+            raise CorruptRecordError(f"record {key}: holds key {header['key']}")
+        if header["payload"] != len(payload):
+            raise CorruptRecordError(f"record {key}: payload length {len(payload)}")
+        parts = {}
+        for name, dtype, shape, offset, nbytes in header["parts"]:
+            dt = np.dtype(dtype)
+            if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != nbytes:
+                raise CorruptRecordError(f"record {key}: part {name} size mismatch")
+            arr = np.frombuffer(payload[offset : offset + nbytes], dt).reshape(shape)
+            parts[name] = arr
+        return BlockRecord(header["key"], header["layout"], header["tokens"], parts)
+    except (KeyError, TypeError, ValueError) as err:
+        if isinstance(err, CorruptRecordError):
+            raise
+        raise CorruptRecordError(f"record {key}: malformed header ({err})") from err
