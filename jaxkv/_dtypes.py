@@ -49,10 +49,16 @@ def encode(values: jax.Array, dtype: np.dtype, scale: jax.Array | None = None) -
     """Casts `values` to logical `dtype` (dividing by `scale` first) and returns the stored bits.
 
     Values already in `dtype` without a scale are bitcast untouched, so round trips are
-    bit-exact. Casts into fp8 saturate to the largest finite value: XLA's plain cast would turn
-    1000.0 into NaN (e4m3fn) or 1e6 into inf (e5m2).
+    bit-exact; values in the pool's unsigned `store_dtype` are taken as raw bits (SGLang's
+    `store_dtype` view) and stored as they are. Casts into fp8 saturate to the largest finite
+    value: XLA's plain cast would turn 1000.0 into NaN (e4m3fn) or 1e6 into inf (e5m2).
     """
     dtype = jnp.dtype(dtype)
+    store = store_dtype_of(dtype)
+    if store != dtype and values.dtype == store:
+        if scale is not None:
+            raise ValueError("a scale cannot apply to raw-bit values in the store dtype")
+        return values
     if scale is not None or values.dtype != dtype:
         x = values
         if scale is not None:
@@ -61,7 +67,6 @@ def encode(values: jax.Array, dtype: np.dtype, scale: jax.Array | None = None) -
             limit = float(jnp.finfo(dtype).max)
             x = jnp.clip(x.astype(jnp.float32), -limit, limit)
         values = x.astype(dtype)
-    store = store_dtype_of(dtype)
     return values if store == dtype else jax.lax.bitcast_convert_type(values, store)
 
 
@@ -81,6 +86,26 @@ def decode(bits: jax.Array, dtype: np.dtype) -> jax.Array:
     """Views stored bits as logical `dtype` (identity for float32 pools)."""
     dtype = jnp.dtype(dtype)
     return bits if bits.dtype == dtype else jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def host_bits(x, dtype):
+    """`x` as a zero-copy host view of its raw bits, when that is cheaper than a device cast.
+
+    On XLA:CPU a bf16 -> uint16 bitcast inside a jitted call is an elementwise pass (about
+    80 us for 512 KiB here), while numpy views the same bytes for free. So an eager write of
+    values already in the pool's 16- or 8-bit dtype sends their bits from a host view. Returns
+    `x` unchanged when that does not apply (other dtypes, tracers, arrays on accelerators).
+    """
+    store = store_dtype_of(dtype)
+    if store == jnp.dtype(dtype) or getattr(x, "dtype", None) != jnp.dtype(dtype):
+        return x
+    if isinstance(x, np.ndarray):
+        return x.view(store)
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        devices = x.sharding.device_set
+        if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+            return np.asarray(x).view(store)
+    return x
 
 
 def check_value_dtype(x, arg: str) -> None:

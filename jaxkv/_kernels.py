@@ -80,8 +80,8 @@ class IndexCodec:
     def quantize(self, values: jax.Array) -> jax.Array:
         """float `(T, head_dim)` -> token records uint8 `(T, head_dim+4)`."""
         x = values.astype(jnp.float32)
-        scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / FP8_E4M3_MAX
-        q = jnp.where(scale > 0, x / jnp.where(scale > 0, scale, 1.0), 0.0)
+        scale = _dtypes.divide(jnp.max(jnp.abs(x), axis=-1, keepdims=True), FP8_E4M3_MAX)
+        q = jnp.where(scale > 0, _dtypes.divide(x, jnp.where(scale > 0, scale, 1.0)), 0.0)
         q = jnp.clip(q, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
         key_bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
         scale_bits = jax.lax.bitcast_convert_type(scale[:, 0], jnp.uint8)  # (T, 4), little-endian
@@ -121,7 +121,7 @@ _apply_donated = jax.jit(_apply, static_argnums=(4,), donate_argnums=(0,))
 _apply_copy = jax.jit(_apply, static_argnums=(4,))
 
 
-def _tracing(*trees) -> bool:
+def tracing(*trees) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(trees))
 
 
@@ -140,7 +140,7 @@ def apply_writes(
     so the caller's own donation makes it in place.
     """
     args = (tuple(bufs), loc, tuple(values), tuple(scales))
-    if _tracing(args):
+    if tracing(args):
         return _apply(*args, tuple(codecs))
     fn = _apply_donated if donate else _apply_copy
     return fn(*args, tuple(codecs))
@@ -151,4 +151,4 @@ _read = jax.jit(lambda codec, buf, loc: codec.read(buf, loc), static_argnums=0)
 
 def read_slots(codec: Codec, buf: jax.Array, loc: jax.Array) -> jax.Array:
     """Stored entries of `loc` (zero bits for out-of-range slots), shape `(T, *row_shape)`."""
-    return codec.read(buf, loc) if _tracing(buf, loc) else _read(codec, buf, loc)
+    return codec.read(buf, loc) if tracing(buf, loc) else _read(codec, buf, loc)

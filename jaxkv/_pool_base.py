@@ -127,8 +127,10 @@ class PoolBase:
                 f"size: expected a multiple of page_size={page_size}, got {size} "
                 f"(use {(size // page_size + 1) * page_size})"
             )
-        if isinstance(start_layer, bool) or not isinstance(start_layer, (int, np.integer)) or (
-            start_layer < 0
+        if (
+            isinstance(start_layer, bool)
+            or not isinstance(start_layer, (int, np.integer))
+            or (start_layer < 0)
         ):
             raise ValueError(f"start_layer: expected an int >= 0, got {start_layer!r}")
         return _dtypes.canonical_dtype(dtype)
@@ -150,8 +152,10 @@ class PoolBase:
     def layer_index(self, layer_id: int) -> int:
         """Global `layer_id` -> index into this pool's buffer tuples."""
         stop = self.start_layer + self.layer_num
-        if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) or not (
-            self.start_layer <= layer_id < stop
+        if (
+            isinstance(layer_id, bool)
+            or not isinstance(layer_id, (int, np.integer))
+            or not (self.start_layer <= layer_id < stop)
         ):
             raise IndexError(
                 f"layer_id: expected a global layer id in range({self.start_layer}, {stop}), "
@@ -208,7 +212,8 @@ class PoolBase:
     # ---- the write path -----------------------------------------------------------------
 
     def write(self, layer_id: int, loc, writes, *, donate: bool = True, check_bounds: bool = False):
-        """Applies `writes` (a sequence of `Write`) at slots `loc` of one layer; returns the new pool.
+        """Applies `writes` (a sequence of `Write`) at slots `loc` of one layer; returns the new
+        pool.
 
         Every value is checked against its buffer's row shape before anything runs, so a bad
         call changes nothing.
@@ -218,11 +223,21 @@ class PoolBase:
         specs = {s.name: s for s in self.buffer_specs()}
         n = int(loc.shape[0])
         writes = [w._replace(value=_as_array(w.value)) for w in writes]
-        for w in writes:
-            for part in w.value if isinstance(w.value, tuple) else (w.value,):
-                _dtypes.check_value_dtype(part, w.arg)
+        eager = not _kernels.tracing(writes)
+        for i, w in enumerate(writes):
             spec = specs[w.buffer]
+            parts = w.value if isinstance(w.value, tuple) else (w.value,)
+            for part in parts:
+                _dtypes.check_value_dtype(part, w.arg)
+                if w.scale is not None and part.dtype == self.store_dtype != self.dtype:
+                    raise ValueError(
+                        f"{w.arg}: {part.dtype} values are raw bits in the store dtype; a scale "
+                        f"cannot apply to them (pass {self.dtype.name} or float values)"
+                    )
             self.check_shape(w.arg, w.value, (n, *(spec.value_shape or spec.row_shape)))
+            if eager and w.scale is None and isinstance(spec.codec, _kernels.RowCodec):
+                bits = tuple(_dtypes.host_bits(p, self.dtype) for p in parts)
+                writes[i] = w._replace(value=bits if isinstance(w.value, tuple) else bits[0])
         new = _kernels.apply_writes(
             [self.layer_buffer(w.buffer, li) for w in writes],
             loc,

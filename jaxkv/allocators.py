@@ -26,6 +26,12 @@ def _positive(name: str, value) -> int:
     return int(value)
 
 
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    return int(value)
+
+
 def _int_vector(name: str, x) -> np.ndarray:
     arr = np.asarray(x)
     if arr.size == 0:
@@ -74,10 +80,7 @@ class _PageFreeList:
 
     def alloc(self, need_size: int) -> np.ndarray | None:
         """`need_size` unique slots (whole pages, in free-list order), or `None` if short."""
-        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) or (
-            need_size < 0
-        ):
-            raise ValueError(f"need_size: expected an int >= 0, got {need_size!r}")
+        need_size = _count("need_size", need_size)
         if need_size % self.page_size:
             raise ValueError(
                 f"need_size: expected a multiple of page_size={self.page_size}, got {need_size}"
@@ -171,8 +174,9 @@ class PagedAllocator(_PageFreeList):
             )
         if np.any(seq < 1):
             i = int(np.flatnonzero(seq < 1)[0])
-            raise ValueError(f"seq_lens: expected >= 1 (it counts the new token), got "
-                             f"seq_lens[{i}]={seq[i]}")
+            raise ValueError(
+                f"seq_lens: expected >= 1 (it counts the new token), got seq_lens[{i}]={seq[i]}"
+            )
         starts_page = (seq - 1) % self.page_size == 0
         self._check_last_loc(last, seq - 1, ~starts_page)
         pages = self._take_pages(int(starts_page.sum()))
@@ -186,8 +190,9 @@ class PagedAllocator(_PageFreeList):
         # A request's token i sits at page offset i % page_size, so the slot after last_loc
         # must continue that pattern inside a real page; anything else would hand out a slot
         # of a page the request does not hold.
-        bad = used & ((last < self.page_size) | ((last + 1) % self.page_size
-                                                  != prefix % self.page_size))
+        bad = used & (
+            (last < self.page_size) | ((last + 1) % self.page_size != prefix % self.page_size)
+        )
         if np.any(bad):
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(
@@ -227,7 +232,9 @@ class ReqToTokenPool:
         self.max_context_len = _positive("max_context_len", max_context_len)
         self._rows = _rows if _rows is not None else _RowFreeList(self.size)
         self.req_to_token = (
-            _table if _table is not None else jnp.zeros((self.size, self.max_context_len), jnp.int32)
+            _table
+            if _table is not None
+            else jnp.zeros((self.size, self.max_context_len), jnp.int32)
         )
 
     def available_size(self) -> int:
@@ -235,6 +242,7 @@ class ReqToTokenPool:
 
     def alloc(self, need_size: int = 1) -> list[int] | None:
         """`need_size` free rows, or `None` (taking none) when fewer are free."""
+        need_size = _count("need_size", need_size)
         free = self._rows.free_slots
         if need_size > len(free):
             return None
@@ -242,12 +250,18 @@ class ReqToTokenPool:
         return out
 
     def free(self, free_index) -> None:
-        """Returns a row (int) or rows (iterable) to the free list."""
+        """Returns a row (int) or rows (iterable) to the free list; rows already free are
+        ignored, so a double free never hands one row to two requests."""
         rows = [free_index] if isinstance(free_index, (int, np.integer)) else list(free_index)
         for r in rows:
             if not 0 <= int(r) < self.size:
                 raise IndexError(f"free_index: expected rows in [0, {self.size}), got {r}")
-        self._rows.free_slots.extend(int(r) for r in rows)
+        free = self._rows.free_slots
+        listed = set(free)
+        for r in rows:
+            if int(r) not in listed:
+                free.append(int(r))
+                listed.add(int(r))
 
     def clear(self) -> None:
         self._rows.free_slots = list(range(self.size))

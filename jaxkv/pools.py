@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _dtypes, _kernels
-from jaxkv._pool_base import BufferSpec, PoolBase, Write, pool_pytree, require_positive, zeros_buffers
+from jaxkv._pool_base import (
+    BufferSpec,
+    PoolBase,
+    Write,
+    pool_pytree,
+    require_positive,
+    zeros_buffers,
+)
 
 __all__ = ["MHAPool", "KOnlyPool", "MLAPool", "NSAPool"]
 
@@ -79,21 +86,39 @@ class MHAPool(_HeadPool):
 
     @classmethod
     def create(
-        cls, *, size, page_size=1, dtype=jnp.bfloat16, head_num, head_dim, layer_num,
-        v_head_dim=None, start_layer=0, sharding=None,
+        cls,
+        *,
+        size,
+        page_size=1,
+        dtype=jnp.bfloat16,
+        head_num,
+        head_dim,
+        layer_num,
+        v_head_dim=None,
+        start_layer=0,
+        sharding=None,
     ) -> MHAPool:
         """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         require_positive(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim)
         dt = cls.validate_common(
-            size=size, page_size=page_size, layer_num=layer_num, start_layer=start_layer,
+            size=size,
+            page_size=page_size,
+            layer_num=layer_num,
+            start_layer=start_layer,
             dtype=dtype,
         )
         rows, store = size + page_size, _dtypes.store_dtype_of(dt)
         return cls(
-            size=int(size), page_size=int(page_size), dtype=dt, layer_num=int(layer_num),
-            start_layer=int(start_layer), sharding=sharding, head_num=int(head_num),
-            head_dim=int(head_dim), v_head_dim=int(v_head_dim),
+            size=int(size),
+            page_size=int(page_size),
+            dtype=dt,
+            layer_num=int(layer_num),
+            start_layer=int(start_layer),
+            sharding=sharding,
+            head_num=int(head_num),
+            head_dim=int(head_dim),
+            v_head_dim=int(v_head_dim),
             k_buffer=zeros_buffers(layer_num, (rows, head_num, head_dim), store, sharding),
             v_buffer=zeros_buffers(layer_num, (rows, head_num, v_head_dim), store, sharding),
         )
@@ -110,10 +135,21 @@ class MHAPool(_HeadPool):
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
-        return (sum(int(b.nbytes) for b in self.k_buffer), sum(int(b.nbytes) for b in self.v_buffer))
+        return (
+            sum(int(b.nbytes) for b in self.k_buffer),
+            sum(int(b.nbytes) for b in self.v_buffer),
+        )
 
     def set_kv(
-        self, layer_id, loc, cache_k, cache_v, k_scale=None, v_scale=None, *, donate=True,
+        self,
+        layer_id,
+        loc,
+        cache_k,
+        cache_v,
+        k_scale=None,
+        v_scale=None,
+        *,
+        donate=True,
         check_bounds=False,
     ) -> MHAPool:
         """Writes `cache_k (T, head_num, head_dim)` and `cache_v (T, head_num, v_head_dim)` at
@@ -137,19 +173,35 @@ class KOnlyPool(_HeadPool):
 
     @classmethod
     def create(
-        cls, *, size, page_size=1, dtype=jnp.bfloat16, head_num, head_dim, layer_num,
-        start_layer=0, sharding=None,
+        cls,
+        *,
+        size,
+        page_size=1,
+        dtype=jnp.bfloat16,
+        head_num,
+        head_dim,
+        layer_num,
+        start_layer=0,
+        sharding=None,
     ) -> KOnlyPool:
         """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
         require_positive(head_num=head_num, head_dim=head_dim)
         dt = cls.validate_common(
-            size=size, page_size=page_size, layer_num=layer_num, start_layer=start_layer,
+            size=size,
+            page_size=page_size,
+            layer_num=layer_num,
+            start_layer=start_layer,
             dtype=dtype,
         )
         shape = (size + page_size, head_num, head_dim)
         return cls(
-            size=int(size), page_size=int(page_size), dtype=dt, layer_num=int(layer_num),
-            start_layer=int(start_layer), sharding=sharding, head_num=int(head_num),
+            size=int(size),
+            page_size=int(page_size),
+            dtype=dt,
+            layer_num=int(layer_num),
+            start_layer=int(start_layer),
+            sharding=sharding,
+            head_num=int(head_num),
             head_dim=int(head_dim),
             k_buffer=zeros_buffers(layer_num, shape, _dtypes.store_dtype_of(dt), sharding),
         )
@@ -205,7 +257,15 @@ class _LatentPool(_KeyedPool):
         return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
 
     def set_kv(
-        self, layer_id, loc, cache_k, cache_v=None, k_scale=None, v_scale=None, *, donate=True,
+        self,
+        layer_id,
+        loc,
+        cache_k,
+        cache_v=None,
+        k_scale=None,
+        v_scale=None,
+        *,
+        donate=True,
         check_bounds=False,
     ):
         """Stores the latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; `cache_v`
@@ -232,22 +292,39 @@ class MLAPool(_LatentPool):
 
     @classmethod
     def create(
-        cls, *, size, page_size=1, dtype=jnp.bfloat16, kv_lora_rank, qk_rope_head_dim,
-        layer_num, start_layer=0, sharding=None,
+        cls,
+        *,
+        size,
+        page_size=1,
+        dtype=jnp.bfloat16,
+        kv_lora_rank,
+        qk_rope_head_dim,
+        layer_num,
+        start_layer=0,
+        sharding=None,
     ) -> MLAPool:
         """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
         require_positive(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
         dt = cls.validate_common(
-            size=size, page_size=page_size, layer_num=layer_num, start_layer=start_layer,
+            size=size,
+            page_size=page_size,
+            layer_num=layer_num,
+            start_layer=start_layer,
             dtype=dtype,
         )
         kv = cls._latent_buffers(
             layer_num, size + page_size, kv_lora_rank, qk_rope_head_dim, dt, sharding
         )
         return cls(
-            size=int(size), page_size=int(page_size), dtype=dt, layer_num=int(layer_num),
-            start_layer=int(start_layer), sharding=sharding, kv_lora_rank=int(kv_lora_rank),
-            qk_rope_head_dim=int(qk_rope_head_dim), kv_buffer=kv,
+            size=int(size),
+            page_size=int(page_size),
+            dtype=dt,
+            layer_num=int(layer_num),
+            start_layer=int(start_layer),
+            sharding=sharding,
+            kv_lora_rank=int(kv_lora_rank),
+            qk_rope_head_dim=int(qk_rope_head_dim),
+            kv_buffer=kv,
         )
 
     def buffer_specs(self):
@@ -267,24 +344,43 @@ class NSAPool(_LatentPool):
 
     @classmethod
     def create(
-        cls, *, size, page_size=64, dtype=jnp.bfloat16, kv_lora_rank, qk_rope_head_dim,
-        layer_num, index_head_dim=128, start_layer=0, sharding=None,
+        cls,
+        *,
+        size,
+        page_size=64,
+        dtype=jnp.bfloat16,
+        kv_lora_rank,
+        qk_rope_head_dim,
+        layer_num,
+        index_head_dim=128,
+        start_layer=0,
+        sharding=None,
     ) -> NSAPool:
         """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
         require_positive(
-            kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
             index_head_dim=index_head_dim,
         )
         dt = cls.validate_common(
-            size=size, page_size=page_size, layer_num=layer_num, start_layer=start_layer,
+            size=size,
+            page_size=page_size,
+            layer_num=layer_num,
+            start_layer=start_layer,
             dtype=dtype,
         )
         rows = size + page_size
         index_shape = (rows // page_size, page_size * (index_head_dim + 4))
         return cls(
-            size=int(size), page_size=int(page_size), dtype=dt, layer_num=int(layer_num),
-            start_layer=int(start_layer), sharding=sharding, kv_lora_rank=int(kv_lora_rank),
-            qk_rope_head_dim=int(qk_rope_head_dim), index_head_dim=int(index_head_dim),
+            size=int(size),
+            page_size=int(page_size),
+            dtype=dt,
+            layer_num=int(layer_num),
+            start_layer=int(start_layer),
+            sharding=sharding,
+            kv_lora_rank=int(kv_lora_rank),
+            qk_rope_head_dim=int(qk_rope_head_dim),
+            index_head_dim=int(index_head_dim),
             kv_buffer=cls._latent_buffers(
                 layer_num, rows, kv_lora_rank, qk_rope_head_dim, dt, sharding
             ),

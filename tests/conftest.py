@@ -1,0 +1,270 @@
+"""Shared fixtures for the pool tests: small pools of every kind, every dtype, numpy references.
+
+The references are written from API.md, independently of jaxkv's code:
+
+* `encode_ref`: the bits a pool stores for a value. The value (divided by the scale, if any) is
+  taken in float32, clipped to +-finfo.max for fp8, cast with ml_dtypes (round to nearest even)
+  and viewed as the store dtype.
+* `quantize_index_ref` / `index_pages_ref`: NSA indexer records, scale = amax / 448 in float32,
+  keys = clip(x / scale) as fp8-e4m3, packed into SGLang's page layout.
+
+Scaled writes do float32 arithmetic on the device. XLA:CPU runs it with subnormals flushed to
+zero (inputs and results, sign kept), so the references do the same when the backend does
+(`flushes_subnormals()`, measured once). Only scaled writes and NSA scales are affected:
+plain casts keep subnormals bit-exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxkv
+
+ALL_DTYPES = tuple(
+    jnp.dtype(d)
+    for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+)
+STORE_DTYPES = {
+    jnp.dtype(jnp.float32): np.dtype(np.float32),
+    jnp.dtype(jnp.bfloat16): np.dtype(np.uint16),
+    jnp.dtype(jnp.float16): np.dtype(np.uint16),
+    jnp.dtype(jnp.float8_e4m3fn): np.dtype(np.uint8),
+    jnp.dtype(jnp.float8_e5m2): np.dtype(np.uint8),
+}
+POOL_KINDS = ("mha", "konly", "mla", "nsa")
+POOL_CLASSES = {
+    "mha": jaxkv.MHAPool,
+    "konly": jaxkv.KOnlyPool,
+    "mla": jaxkv.MLAPool,
+    "nsa": jaxkv.NSAPool,
+}
+# Small shapes keep every test fast; v_head_dim != head_dim and kv_lora_rank != qk_rope_head_dim
+# so that a swapped dimension shows up as a shape error.
+SMALL = {
+    "mha": dict(size=12, page_size=2, head_num=2, head_dim=4, v_head_dim=3, layer_num=2),
+    "konly": dict(size=12, page_size=2, head_num=2, head_dim=4, layer_num=2),
+    "mla": dict(size=12, page_size=2, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=2),
+    "nsa": dict(
+        size=8, page_size=4, kv_lora_rank=6, qk_rope_head_dim=2, index_head_dim=8, layer_num=2
+    ),
+}
+E4M3_MAX = np.float32(448.0)
+
+
+@functools.cache
+def flushes_subnormals() -> bool:
+    """Whether the backend's float32 arithmetic flushes subnormals to zero (XLA:CPU does)."""
+    tiny = np.float32(np.finfo(np.float32).smallest_subnormal * 8)
+    return float(jax.jit(jnp.divide)(tiny, np.float32(1.0))) == 0.0
+
+
+def make_pool(kind: str, dtype=jnp.bfloat16, **overrides):
+    """A small zeroed pool of `kind` ("mha", "konly", "mla", "nsa")."""
+    return POOL_CLASSES[kind].create(dtype=dtype, **{**SMALL[kind], **overrides})
+
+
+def row_buffer_names(kind: str) -> tuple[str, ...]:
+    """The token-major buffers of a pool kind (NSA's index buffer is page-packed)."""
+    return {"mha": ("k_buffer", "v_buffer"), "konly": ("k_buffer",)}.get(kind, ("kv_buffer",))
+
+
+def buffer_names(kind: str) -> tuple[str, ...]:
+    return row_buffer_names(kind) + (("index_k_with_scale_buffer",) if kind == "nsa" else ())
+
+
+# Each setter of each kind, with the buffers it replaces.
+SETTERS = {
+    "mha": {"set_kv": ("k_buffer", "v_buffer"), "set_k": ("k_buffer",)},
+    "konly": {"set_k": ("k_buffer",)},
+    "mla": {"set_kv": ("kv_buffer",), "set_k": ("kv_buffer",), "set_mla_kv": ("kv_buffer",)},
+    "nsa": {
+        "set_kv": ("kv_buffer",),
+        "set_k": ("kv_buffer",),
+        "set_mla_kv": ("kv_buffer",),
+        "set_index_k": ("index_k_with_scale_buffer",),
+    },
+}
+
+
+def key_row_shape(pool) -> tuple[int, ...]:
+    """Per-token shape of `cache_k` (MLA/NSA: the whole latent row)."""
+    if hasattr(pool, "kv_buffer"):
+        return (1, pool.kv_lora_rank + pool.qk_rope_head_dim)
+    return (pool.head_num, pool.head_dim)
+
+
+def random_values(rng: np.random.Generator, shape, spread: float = 4.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * spread).astype(np.float32)
+
+
+def setter_args(pool, name: str, t: int, rng: np.random.Generator) -> tuple:
+    """Random float32 value arguments of setter `name` for `t` tokens (after layer_id, loc)."""
+    if name == "set_index_k":
+        return (random_values(rng, (t, pool.index_head_dim)),)
+    if name == "set_mla_kv":
+        return (
+            random_values(rng, (t, 1, pool.kv_lora_rank)),
+            random_values(rng, (t, 1, pool.qk_rope_head_dim)),
+        )
+    k = random_values(rng, (t, *key_row_shape(pool)))
+    if name == "set_k":
+        return (k,)
+    has_v = hasattr(pool, "v_buffer")
+    return (k, random_values(rng, (t, pool.head_num, pool.v_head_dim)) if has_v else None)
+
+
+def call_setter(pool, name: str, layer_id: int, loc, rng: np.random.Generator, **kw):
+    """Calls setter `name` with random values of the right shapes for `len(loc)` tokens."""
+    return getattr(pool, name)(layer_id, loc, *setter_args(pool, name, len(loc), rng), **kw)
+
+
+def fill_all(pool, kind: str, layer_id: int, loc, rng: np.random.Generator, **kw):
+    """Writes random values at `loc` into every buffer of `layer_id` (one call per buffer)."""
+    done = set()
+    for name, writes in SETTERS[kind].items():
+        if not done.issuperset(writes):
+            pool = call_setter(pool, name, layer_id, loc, rng, **kw)
+            done.update(writes)
+    return pool
+
+
+def snapshot(pool, kind: str) -> dict[str, list[np.ndarray]]:
+    """Host copies of every buffer of every layer."""
+    return {name: [host(b) for b in getattr(pool, name)] for name in buffer_names(kind)}
+
+
+def flush_subnormals(x) -> np.ndarray:
+    """float32 `x` with subnormals replaced by zeros of the same sign, where XLA does that."""
+    x = np.asarray(x, np.float32)
+    if not flushes_subnormals():
+        return x
+    tiny = np.finfo(np.float32).tiny
+    return np.where(np.abs(x) < tiny, np.copysign(np.float32(0.0), x), x).astype(np.float32)
+
+
+def as_float32(values) -> np.ndarray:
+    with np.errstate(over="ignore"):  # float64 beyond float32's range: inf, as on the device
+        return np.asarray(values).astype(np.float32)
+
+
+def encode_ref(values, dtype, scale=None) -> np.ndarray:
+    """The stored bits (store dtype) of `values` written into a pool of logical `dtype`."""
+    dtype = jnp.dtype(dtype)
+    x = as_float32(values)
+    if scale is not None:
+        with np.errstate(over="ignore", divide="ignore"):
+            x = flush_subnormals(flush_subnormals(x) / flush_subnormals(np.float32(scale)))
+    if dtype.itemsize == 1:
+        limit = np.float32(ml_dtypes.finfo(dtype).max)
+        x = np.clip(x, -limit, limit)
+    with np.errstate(over="ignore"):
+        return x.astype(dtype).view(STORE_DTYPES[dtype])
+
+
+def decode_ref(bits: np.ndarray, dtype) -> np.ndarray:
+    """Stored bits -> float32 values of logical `dtype`."""
+    return np.asarray(bits).view(jnp.dtype(dtype)).astype(np.float32)
+
+
+def quantize_index_ref(index_k) -> np.ndarray:
+    """NSA records uint8 `(T, D + 4)`: fp8-e4m3 key bytes, then the float32 scale (LE)."""
+    x = flush_subnormals(as_float32(index_k))
+    amax = np.max(np.abs(x), axis=-1, keepdims=True)
+    scale = flush_subnormals(amax / E4M3_MAX)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    q = np.where(scale > 0, flush_subnormals(x / safe), np.float32(0.0))
+    keys = np.clip(q, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    scale_bytes = scale.astype("<f4").view(np.uint8)
+    return np.concatenate([keys, scale_bytes], axis=-1)
+
+
+def index_pages_ref(records: np.ndarray, page_size: int) -> np.ndarray:
+    """Per-slot records `(rows, D + 4)` -> SGLang's page layout `(pages, page_size * (D + 4))`:
+    each page holds its tokens' keys, then their scales."""
+    rows, width = records.shape
+    pages = records.reshape(rows // page_size, page_size, width)
+    keys = pages[:, :, : width - 4].reshape(rows // page_size, -1)
+    scales = pages[:, :, width - 4 :].reshape(rows // page_size, -1)
+    return np.concatenate([keys, scales], axis=-1)
+
+
+def host(x) -> np.ndarray:
+    """A host copy of a device array, bit-exact.
+
+    A copy, not `np.asarray`: on CPU that is a zero-copy view, and a live view of a buffer makes
+    JAX fall back to copying it when it is donated, so the donation tests would test nothing.
+    """
+    return np.array(jax.device_get(x), copy=True)
+
+
+def same_bits(a, b) -> bool:
+    """Bit equality of two arrays of one dtype (so -0.0 != 0.0 and NaN == NaN)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    width = np.dtype(f"uint{8 * a.dtype.itemsize}")
+    return bool(np.array_equal(a.view(width), b.view(width)))
+
+
+class Helpers:
+    """The helpers above, handed to tests through the `kv` fixture."""
+
+    ALL_DTYPES = ALL_DTYPES
+    STORE_DTYPES = STORE_DTYPES
+    POOL_KINDS = POOL_KINDS
+    POOL_CLASSES = POOL_CLASSES
+    SMALL = SMALL
+    SETTERS = SETTERS
+    make_pool = staticmethod(make_pool)
+    key_row_shape = staticmethod(key_row_shape)
+    random_values = staticmethod(random_values)
+    setter_args = staticmethod(setter_args)
+    call_setter = staticmethod(call_setter)
+    fill_all = staticmethod(fill_all)
+    snapshot = staticmethod(snapshot)
+    row_buffer_names = staticmethod(row_buffer_names)
+    buffer_names = staticmethod(buffer_names)
+    flushes_subnormals = staticmethod(flushes_subnormals)
+    flush_subnormals = staticmethod(flush_subnormals)
+    encode_ref = staticmethod(encode_ref)
+    decode_ref = staticmethod(decode_ref)
+    quantize_index_ref = staticmethod(quantize_index_ref)
+    index_pages_ref = staticmethod(index_pages_ref)
+    host = staticmethod(host)
+    same_bits = staticmethod(same_bits)
+
+
+@pytest.fixture(scope="session")
+def kv() -> type[Helpers]:
+    """Pool factory, dtype tables and numpy references (see the module docstring)."""
+    return Helpers
+
+
+@pytest.fixture(scope="session", params=ALL_DTYPES, ids=lambda d: d.name)
+def pool_dtype(request) -> np.dtype:
+    """Every supported logical pool dtype."""
+    return request.param
+
+
+@pytest.fixture(scope="session", params=POOL_KINDS)
+def pool_kind(request) -> str:
+    """Every pool kind."""
+    return request.param
+
+
+def pytest_generate_tests(metafunc):
+    """`pool_setter`: every (pool kind, setter name) pair, e.g. ("nsa", "set_index_k")."""
+    if "pool_setter" in metafunc.fixturenames:
+        pairs = [(kind, name) for kind, setters in SETTERS.items() for name in setters]
+        metafunc.parametrize("pool_setter", pairs, ids=[f"{k}-{n}" for k, n in pairs])
+
+
+@pytest.fixture(scope="session")
+def device_sharding():
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])

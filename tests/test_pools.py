@@ -1,0 +1,956 @@
+"""API.md "Package" and "Pools": one test per documented behaviour."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxkv
+
+FP8 = [jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)]
+LATENT_KINDS = ["mla", "nsa"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rows_of(pool) -> int:
+    return pool.size + pool.page_size
+
+
+# ---- package -------------------------------------------------------------------------------
+
+
+def test_version_is_a_string():
+    assert isinstance(jaxkv.__version__, str)
+    assert jaxkv.__version__
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "MHAPool",
+        "MLAPool",
+        "NSAPool",
+        "KOnlyPool",
+        "TokenAllocator",
+        "PagedAllocator",
+        "ReqToTokenPool",
+        "UnsupportedKVCacheError",
+    ],
+)
+def test_top_level_name(name):
+    assert hasattr(jaxkv, name)
+    assert name in jaxkv.__all__
+
+
+@pytest.mark.parametrize(
+    "alias, name",
+    [
+        ("MHATokenToKVPool", "MHAPool"),
+        ("MLATokenToKVPool", "MLAPool"),
+        ("NSATokenToKVPool", "NSAPool"),
+        ("MHATokenToKOnlyPool", "KOnlyPool"),
+    ],
+)
+def test_sglang_alias_is_the_same_object(alias, name):
+    assert getattr(jaxkv, alias) is getattr(jaxkv, name)
+
+
+def test_connector_exports():
+    from jaxkv import connector
+
+    for name in ("KVConnector", "HostStore", "DiskStore"):
+        assert hasattr(connector, name), name
+
+
+_IMPORT_WITH_CORE_DEPS_ONLY = """
+import importlib.abc, sys
+OPTIONAL = {"hypothesis", "pytest", "matplotlib", "redis", "torch", "pandas", "tensorflow"}
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in OPTIONAL:
+            raise ImportError(f"blocked optional dependency {name}")
+        return None
+
+sys.meta_path.insert(0, Block())
+import jaxkv
+import jaxkv.connector
+pool = jaxkv.MHAPool.create(size=4, head_num=1, head_dim=2, layer_num=1)
+print(type(jaxkv.__version__).__name__, type(pool).__name__, jaxkv.connector.KVConnector.__name__)
+"""
+
+
+def test_import_needs_only_core_dependencies():
+    """`import jaxkv` (and `jaxkv.connector`) work with test, bench and optional-extra packages
+    unavailable."""
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WITH_CORE_DEPS_ONLY],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["str", "MHAPool", "KVConnector"]
+
+
+# ---- create(): keyword-only, validation, defaults -----------------------------------------------
+
+
+def test_create_is_keyword_only(kv, pool_kind):
+    cls = kv.POOL_CLASSES[pool_kind]
+    args = kv.SMALL[pool_kind]
+    with pytest.raises(TypeError):
+        cls.create(args["size"], **{k: v for k, v in args.items() if k != "size"})
+
+
+_BAD_SIZES = [
+    ("mha", {"size": 13}, "size"),  # not a multiple of page_size=2
+    ("konly", {"size": 5, "page_size": 4}, "size"),
+    ("nsa", {"size": 6}, "size"),  # page_size=4
+    ("mha", {"size": 0}, "size"),
+    ("mla", {"size": -4}, "size"),
+    ("mha", {"page_size": 0}, "page_size"),
+    ("nsa", {"page_size": -4}, "page_size"),
+    ("mha", {"layer_num": 0}, "layer_num"),
+    ("nsa", {"layer_num": -1}, "layer_num"),
+    ("mha", {"head_num": 0}, "head_num"),
+    ("konly", {"head_num": -2}, "head_num"),
+    ("mha", {"head_dim": 0}, "head_dim"),
+    ("konly", {"head_dim": -1}, "head_dim"),
+    ("mha", {"v_head_dim": 0}, "v_head_dim"),
+    ("mla", {"kv_lora_rank": 0}, "kv_lora_rank"),
+    ("nsa", {"kv_lora_rank": -6}, "kv_lora_rank"),
+    ("mla", {"qk_rope_head_dim": 0}, "qk_rope_head_dim"),
+    ("nsa", {"qk_rope_head_dim": -2}, "qk_rope_head_dim"),
+    ("nsa", {"index_head_dim": 0}, "index_head_dim"),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, override, arg", _BAD_SIZES, ids=[f"{k}-{a}={o[a]}" for k, o, a in _BAD_SIZES]
+)
+def test_create_rejects_bad_sizes(kv, kind, override, arg):
+    with pytest.raises(ValueError, match=arg):
+        kv.make_pool(kind, **override)
+
+
+@pytest.mark.parametrize(
+    "bad", [np.int8, jnp.int32, np.float64, np.complex64, "float64", "not-a-dtype", jnp.bool_]
+)
+def test_create_rejects_unsupported_dtypes(kv, pool_kind, bad):
+    with pytest.raises(ValueError):
+        kv.make_pool(pool_kind, dtype=bad)
+
+
+def test_create_accepts_every_supported_dtype_spelling(kv):
+    for spelling in (jnp.bfloat16, jnp.dtype(jnp.bfloat16), ml_dtypes.bfloat16, "bfloat16"):
+        assert kv.make_pool("mha", dtype=spelling).dtype == jnp.dtype(jnp.bfloat16)
+
+
+def test_create_defaults():
+    mha = jaxkv.MHAPool.create(size=8, head_num=2, head_dim=4, layer_num=1)
+    assert (mha.page_size, mha.dtype, mha.v_head_dim, mha.start_layer) == (
+        1,
+        jnp.dtype(jnp.bfloat16),
+        4,
+        0,
+    )
+    konly = jaxkv.KOnlyPool.create(size=8, head_num=2, head_dim=4, layer_num=1)
+    assert (konly.page_size, konly.dtype, konly.start_layer) == (1, jnp.dtype(jnp.bfloat16), 0)
+    mla = jaxkv.MLAPool.create(size=8, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1)
+    assert (mla.page_size, mla.dtype, mla.start_layer) == (1, jnp.dtype(jnp.bfloat16), 0)
+    nsa = jaxkv.NSAPool.create(size=64, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1)
+    assert (nsa.page_size, nsa.index_head_dim, nsa.dtype) == (64, 128, jnp.dtype(jnp.bfloat16))
+    chex.assert_shape(nsa.index_k_with_scale_buffer[0], (2, 64 * (128 + 4)))
+
+
+# ---- attributes and buffers ------------------------------------------------------------------
+
+
+def test_attributes(kv, pool_kind, pool_dtype):
+    pool = kv.make_pool(pool_kind, pool_dtype, start_layer=3)
+    expected = {**kv.SMALL[pool_kind], "start_layer": 3}
+    for name, value in expected.items():
+        assert getattr(pool, name) == value, name
+    assert pool.dtype == pool_dtype
+    assert pool.store_dtype == kv.STORE_DTYPES[pool_dtype]
+
+
+def test_buffer_shapes_and_store_dtypes(kv, pool_kind, pool_dtype):
+    pool = kv.make_pool(pool_kind, pool_dtype)
+    rows = rows_of(pool)
+    store = kv.STORE_DTYPES[pool_dtype]
+    if pool_kind in ("mha", "konly"):
+        shapes = {"k_buffer": (rows, pool.head_num, pool.head_dim)}
+    else:
+        shapes = {"kv_buffer": (rows, 1, pool.kv_lora_rank + pool.qk_rope_head_dim)}
+    if pool_kind == "mha":
+        shapes["v_buffer"] = (rows, pool.head_num, pool.v_head_dim)
+    for name, shape in shapes.items():
+        layers = getattr(pool, name)
+        assert isinstance(layers, tuple) and len(layers) == pool.layer_num
+        for buf in layers:
+            assert isinstance(buf, jax.Array)
+            chex.assert_shape(buf, shape)
+            chex.assert_type(buf, store)
+            assert not np.any(kv.host(buf)), "a new pool is zeroed"
+
+
+@pytest.mark.parametrize("page_size, index_head_dim", [(4, 8), (2, 16), (64, 128)])
+def test_nsa_index_buffer_layout_shape(kv, page_size, index_head_dim):
+    pool = kv.make_pool(
+        "nsa", size=2 * page_size, page_size=page_size, index_head_dim=index_head_dim
+    )
+    pages = (pool.size + page_size) // page_size
+    assert len(pool.index_k_with_scale_buffer) == pool.layer_num
+    for buf in pool.index_k_with_scale_buffer:
+        chex.assert_shape(buf, (pages, page_size * (index_head_dim + 4)))
+        chex.assert_type(buf, np.uint8)
+
+
+def test_attributes_present_tell_the_kind(kv, pool_kind):
+    pool = kv.make_pool(pool_kind)
+    present = {n for n in ("k_buffer", "v_buffer", "kv_buffer") if hasattr(pool, n)}
+    assert (
+        present
+        == {
+            "mha": {"k_buffer", "v_buffer"},
+            "konly": {"k_buffer"},
+            "mla": {"kv_buffer"},
+            "nsa": {"kv_buffer"},
+        }[pool_kind]
+    )
+    assert hasattr(pool, "index_k_with_scale_buffer") == (pool_kind == "nsa")
+
+
+# ---- pytree ----------------------------------------------------------------------------------
+
+
+def test_pytree_leaves_are_exactly_the_buffers(kv, pool_kind):
+    pool = kv.make_pool(pool_kind)
+    leaves = jax.tree_util.tree_leaves(pool)
+    buffers = [b for name in kv.buffer_names(pool_kind) for b in getattr(pool, name)]
+    assert len(leaves) == len(buffers) == pool.layer_num * len(kv.buffer_names(pool_kind))
+    assert {id(x) for x in leaves} == {id(b) for b in buffers}
+
+
+def test_pytree_metadata_is_static(kv, pool_kind):
+    pool = kv.make_pool(pool_kind, jnp.float16, start_layer=2)
+    leaves, treedef = jax.tree_util.tree_flatten(pool)
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert type(rebuilt) is type(pool)
+    for name in ("size", "page_size", "dtype", "layer_num", "start_layer"):
+        assert getattr(rebuilt, name) == getattr(pool, name)
+    # Metadata lives in the treedef: equal shapes give equal treedefs, other metadata does not.
+    same = kv.make_pool(pool_kind, jnp.float16, start_layer=2)
+    assert jax.tree_util.tree_structure(same) == treedef
+    assert jax.tree_util.tree_structure(kv.make_pool(pool_kind, jnp.float16)) != treedef
+    assert jax.tree_util.tree_structure(kv.make_pool(pool_kind, jnp.bfloat16, start_layer=2)) != (
+        treedef
+    )
+
+
+def test_jit_over_two_equal_pools_traces_once(kv, pool_kind):
+    traces = []
+
+    @jax.jit
+    def read_first_rows(pool):
+        traces.append(1)
+        return pool.get_key_buffer(pool.start_layer)[:2]
+
+    loc = np.array([0, 1])
+    a = kv.fill_all(kv.make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(0))
+    b = kv.fill_all(kv.make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(1))
+    ra, rb = read_first_rows(a), read_first_rows(b)
+    assert len(traces) == 1
+    assert not kv.same_bits(kv.host(ra), kv.host(rb)), "each call read its own pool"
+
+
+# ---- layer ids -------------------------------------------------------------------------------
+
+
+def test_layer_ids_are_global(kv, pool_kind):
+    pool = kv.make_pool(pool_kind, jnp.float32, start_layer=5)  # layers 5 and 6
+    loc = np.array([3])
+    new = kv.fill_all(pool, pool_kind, 6, loc, np.random.default_rng(0))
+    key = kv.row_buffer_names(pool_kind)[0]
+    assert np.any(kv.host(getattr(new, key)[1])[3]), "layer 6 is local index 1"
+    assert not np.any(kv.host(getattr(new, key)[0])), "layer 5 untouched"
+    chex.assert_trees_all_equal(new.get_key_buffer(6), getattr(new, key)[1])
+
+
+@pytest.mark.parametrize("bad", [0, 4, 7, -1, 100])
+def test_layer_id_out_of_range_raises_index_error_naming_the_range(kv, pool_kind, bad):
+    pool = kv.make_pool(pool_kind, start_layer=5)  # valid: 5, 6
+    loc = np.array([1])
+    calls = [lambda: pool.get_key_buffer(bad)]
+    calls += [
+        lambda name=name: kv.call_setter(pool, name, bad, loc, np.random.default_rng(0))
+        for name in kv.SETTERS[pool_kind]
+    ]
+    if pool_kind != "konly":
+        calls.append(lambda: pool.get_value_buffer(bad))
+    if pool_kind in LATENT_KINDS:
+        calls.append(lambda: pool.get_mla_kv(bad, loc))
+    if pool_kind == "nsa":
+        calls.append(lambda: pool.get_index_k(bad, loc))
+    for call in calls:
+        with pytest.raises(IndexError) as err:
+            call()
+        # "range(5, 7)", "[5, 7)", "5..6" and the like all name the range.
+        assert re.search(r"5\D{1,4}[67]", str(err.value)), str(err.value)
+
+
+# ---- reads -----------------------------------------------------------------------------------
+
+
+def _stored_values(rng, pool, shape):
+    """Random values already in the pool dtype, so writing them is lossless."""
+    return np.clip(rng.standard_normal(shape) * 4, -50, 50).astype(np.float32).astype(pool.dtype)
+
+
+def test_reads_return_the_logical_dtype(kv, pool_kind, pool_dtype):
+    pool = kv.make_pool(pool_kind, pool_dtype)
+    rng = np.random.default_rng(0)
+    loc = np.array([2, 7, 1])
+    k = _stored_values(rng, pool, (3, *kv.key_row_shape(pool)))
+    if pool_kind == "mha":
+        v = _stored_values(rng, pool, (3, pool.head_num, pool.v_head_dim))
+        pool = pool.set_kv(1, loc, k, v)
+    else:
+        pool = pool.set_k(1, loc, k)
+    key = pool.get_key_buffer(1)
+    chex.assert_type(key, pool_dtype)
+    chex.assert_shape(key, (rows_of(pool), *kv.key_row_shape(pool)))
+    np.testing.assert_array_equal(kv.host(key)[loc].astype(np.float32), k.astype(np.float32))
+    if pool_kind == "konly":
+        return
+    value = pool.get_value_buffer(1)
+    chex.assert_type(value, pool_dtype)
+    if pool_kind == "mha":
+        chex.assert_shape(value, (rows_of(pool), pool.head_num, pool.v_head_dim))
+        np.testing.assert_array_equal(kv.host(value)[loc].astype(np.float32), v.astype(np.float32))
+    else:
+        chex.assert_shape(value, (rows_of(pool), 1, pool.kv_lora_rank))
+        chex.assert_trees_all_equal(value, key[..., : pool.kv_lora_rank])
+    chex.assert_trees_all_equal(pool.get_kv_buffer(1), (key, value))
+
+
+@pytest.mark.parametrize("kind", LATENT_KINDS)
+def test_get_mla_kv_returns_rows_at_loc(kv, kind, pool_dtype):
+    pool = kv.make_pool(kind, pool_dtype)
+    rng = np.random.default_rng(1)
+    k_nope = _stored_values(rng, pool, (3, 1, pool.kv_lora_rank))
+    k_rope = _stored_values(rng, pool, (3, 1, pool.qk_rope_head_dim))
+    pool = pool.set_mla_kv(0, np.array([4, 9, 2]), k_nope, k_rope)
+    nope, rope = pool.get_mla_kv(0, np.array([9, 2, 4, 4]))
+    chex.assert_type([nope, rope], pool_dtype)
+    chex.assert_shape(nope, (4, 1, pool.kv_lora_rank))
+    chex.assert_shape(rope, (4, 1, pool.qk_rope_head_dim))
+    order = [1, 2, 0, 0]
+    assert kv.same_bits(kv.host(nope), k_nope[order])
+    assert kv.same_bits(kv.host(rope), k_rope[order])
+
+
+def test_get_index_k_dequantises_and_packs_sglang_layout(kv):
+    pool = kv.make_pool("nsa", jnp.bfloat16)  # page_size 4, index_head_dim 8, 12 rows
+    p, d = pool.page_size, pool.index_head_dim
+    rng = np.random.default_rng(2)
+    loc = np.array([5, 0, 11, 6])
+    x = rng.standard_normal((4, d)).astype(np.float32) * np.array([[1.0], [30.0], [1e-3], [7.0]])
+    x = x.astype(np.float32)
+    pool = pool.set_index_k(1, loc, x)
+
+    got = pool.get_index_k(1, loc)
+    chex.assert_type(got, np.float32)
+    chex.assert_shape(got, (4, d))
+    amax = np.max(np.abs(x), axis=-1, keepdims=True)
+    scale = amax / np.float32(448.0)
+    # e4m3: 3 mantissa bits (half-ulp 2**-4 relative); subnormals step by 2**-9 * scale.
+    err = np.abs(kv.host(got) - x)
+    assert np.all(err <= np.abs(x) * (2**-4 + 1e-6) + scale * 2**-10), err
+
+    raw = kv.host(pool.index_k_with_scale_buffer[1])
+    expected = np.zeros_like(raw)
+    for t, slot in enumerate(loc):
+        page, off = divmod(int(slot), p)
+        scale_bytes = raw[page, p * d + 4 * off : p * d + 4 * off + 4]
+        assert scale_bytes.view("<f4")[0] == np.float32(amax[t, 0]) / np.float32(448.0)
+        keys = raw[page, off * d : (off + 1) * d].view(ml_dtypes.float8_e4m3fn)
+        np.testing.assert_array_equal(
+            keys.astype(np.float32) * scale_bytes.view("<f4")[0], kv.host(got)[t]
+        )
+        expected[page, off * d : (off + 1) * d] = raw[page, off * d : (off + 1) * d]
+        expected[page, p * d + 4 * off : p * d + 4 * off + 4] = scale_bytes
+    np.testing.assert_array_equal(raw, expected)  # nothing else was written
+    assert not np.any(kv.host(pool.index_k_with_scale_buffer[0])), "other layer untouched"
+
+
+def test_set_index_k_zero_row_stores_zeros_and_zero_scale(kv):
+    pool = kv.make_pool("nsa")
+    d = pool.index_head_dim
+    pool = pool.set_index_k(0, np.array([1, 3, 7]), np.ones((3, d)))
+    pool = pool.set_index_k(0, np.array([3, 7]), np.zeros((2, d)))  # overwrite with zero rows
+    records = np.zeros((rows_of(pool), d + 4), np.uint8)
+    records[1] = kv.quantize_index_ref(np.ones((1, d)))[0]
+    np.testing.assert_array_equal(
+        kv.host(pool.index_k_with_scale_buffer[0]), kv.index_pages_ref(records, pool.page_size)
+    )
+    np.testing.assert_array_equal(kv.host(pool.get_index_k(0, np.array([3, 7]))), 0.0)
+
+
+def _expected_bytes(pool, kind) -> int | tuple[int, int]:
+    rows, item = rows_of(pool), pool.store_dtype.itemsize
+    if kind in ("mha", "konly"):
+        k = pool.layer_num * rows * pool.head_num * pool.head_dim * item
+        v = pool.layer_num * rows * pool.head_num * pool.v_head_dim * item if kind == "mha" else 0
+        return (k, v)
+    total = pool.layer_num * rows * (pool.kv_lora_rank + pool.qk_rope_head_dim) * item
+    if kind == "nsa":
+        total += pool.layer_num * rows * (pool.index_head_dim + 4)
+    return total
+
+
+def test_get_kv_size_bytes_counts_every_byte(kv, pool_kind, pool_dtype):
+    pool = kv.make_pool(pool_kind, pool_dtype)
+    got = pool.get_kv_size_bytes()
+    assert got == _expected_bytes(pool, pool_kind)
+    if pool_kind in ("mha", "konly"):
+        assert isinstance(got, tuple) and all(isinstance(n, int) for n in got)
+        assert sum(got) == sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(pool))
+    else:
+        assert isinstance(got, int)
+        assert got == sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(pool))
+
+
+# ---- K-only ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reader", ["get_value_buffer", "get_kv_buffer"])
+def test_konly_reads_of_v_raise_not_implemented(kv, reader):
+    pool = kv.make_pool("konly")
+    with pytest.raises(NotImplementedError) as err:
+        getattr(pool, reader)(0)
+    assert "does not allocate V" in str(err.value)
+    assert type(pool).__name__ in str(err.value)
+
+
+def test_konly_set_kv_raises_not_implemented_pointing_to_set_k(kv):
+    pool = kv.make_pool("konly")
+    k = np.ones((1, pool.head_num, pool.head_dim), np.float32)
+    with pytest.raises(NotImplementedError) as err:
+        pool.set_kv(0, np.array([1]), k, k)
+    assert "does not store V" in str(err.value)
+    assert "set_k" in str(err.value)
+    assert not np.any(kv.host(pool.k_buffer[0])), "nothing was written"
+
+
+# ---- setter semantics --------------------------------------------------------------------------
+
+
+def _encoded(kv, pool, x, scale=None):
+    return kv.encode_ref(x, pool.dtype, scale)
+
+
+def test_mha_set_kv_writes_k_and_v_rows_only_at_loc(kv, pool_dtype):
+    pool = kv.make_pool("mha", pool_dtype)
+    rng = np.random.default_rng(3)
+    loc = np.array([6, 1, 13])
+    k = kv.random_values(rng, (3, pool.head_num, pool.head_dim))
+    v = kv.random_values(rng, (3, pool.head_num, pool.v_head_dim))
+    new = pool.set_kv(0, loc, k, v)
+    for name, x in (("k_buffer", k), ("v_buffer", v)):
+        expected = np.zeros(getattr(pool, name)[0].shape, pool.store_dtype)
+        expected[loc] = _encoded(kv, pool, x)
+        assert kv.same_bits(kv.host(getattr(new, name)[0]), expected), name
+        assert not np.any(kv.host(getattr(new, name)[1])), "other layer untouched"
+
+
+def test_set_k_writes_k_only(kv, pool_dtype):
+    pool = kv.make_pool("mha", pool_dtype)
+    rng = np.random.default_rng(4)
+    loc = np.array([2, 3])
+    k = kv.random_values(rng, (2, pool.head_num, pool.head_dim))
+    new = pool.set_k(1, loc, k)
+    expected = np.zeros(pool.k_buffer[1].shape, pool.store_dtype)
+    expected[loc] = _encoded(kv, pool, k)
+    assert kv.same_bits(kv.host(new.k_buffer[1]), expected)
+    assert not np.any(kv.host(new.v_buffer[1])), "V untouched"
+
+
+@pytest.mark.parametrize("kind", ["konly", *LATENT_KINDS])
+def test_set_k_writes_the_key_rows(kv, kind, pool_dtype):
+    pool = kv.make_pool(kind, pool_dtype)
+    rng = np.random.default_rng(5)
+    loc = np.array([9, 4])
+    k = kv.random_values(rng, (2, *kv.key_row_shape(pool)))
+    new = pool.set_k(0, loc, k)
+    name = kv.row_buffer_names(kind)[0]
+    expected = np.zeros(getattr(pool, name)[0].shape, pool.store_dtype)
+    expected[loc] = _encoded(kv, pool, k)
+    assert kv.same_bits(kv.host(getattr(new, name)[0]), expected)
+
+
+@pytest.mark.parametrize("kind", LATENT_KINDS)
+@pytest.mark.parametrize("cache_v", ["none", "array"])
+def test_latent_set_kv_stores_cache_k_and_ignores_cache_v(kv, kind, cache_v, pool_dtype):
+    pool = kv.make_pool(kind, pool_dtype)
+    rng = np.random.default_rng(6)
+    loc = np.array([1, 8, 3])
+    k = kv.random_values(rng, (3, *kv.key_row_shape(pool)))
+    v = None if cache_v == "none" else kv.random_values(rng, (3, 1, pool.kv_lora_rank))
+    new = pool.set_kv(0, loc, k, v, v_scale=None if v is None else 3.0)
+    expected = np.zeros(pool.kv_buffer[0].shape, pool.store_dtype)
+    expected[loc] = _encoded(kv, pool, k)
+    assert kv.same_bits(kv.host(new.kv_buffer[0]), expected)
+
+
+@pytest.mark.parametrize("kind", LATENT_KINDS)
+def test_set_mla_kv_writes_the_concatenation(kv, kind, pool_dtype):
+    pool = kv.make_pool(kind, pool_dtype)
+    rng = np.random.default_rng(7)
+    loc = np.array([2, 10])
+    k_nope = kv.random_values(rng, (2, 1, pool.kv_lora_rank))
+    k_rope = kv.random_values(rng, (2, 1, pool.qk_rope_head_dim)).astype(jnp.bfloat16)
+    new = pool.set_mla_kv(1, loc, k_nope, k_rope, donate=False)
+    expected = np.zeros(pool.kv_buffer[1].shape, pool.store_dtype)
+    expected[loc] = np.concatenate(
+        [_encoded(kv, pool, k_nope), _encoded(kv, pool, k_rope)], axis=-1
+    )
+    assert kv.same_bits(kv.host(new.kv_buffer[1]), expected)
+    same = pool.set_kv(1, loc, np.concatenate([k_nope, k_rope.astype(np.float32)], -1), None)
+    chex.assert_trees_all_equal(same.kv_buffer, new.kv_buffer)
+
+
+def test_set_index_k_matches_the_numpy_quantiser(kv):
+    pool = kv.make_pool("nsa")
+    rng = np.random.default_rng(8)
+    loc = np.array([4, 7, 9])
+    x = kv.random_values(rng, (3, pool.index_head_dim), spread=100.0)
+    new = pool.set_index_k(0, loc, x)
+    records = np.zeros((rows_of(pool), pool.index_head_dim + 4), np.uint8)
+    records[loc] = kv.quantize_index_ref(x)
+    expected = kv.index_pages_ref(records, pool.page_size)
+    np.testing.assert_array_equal(kv.host(new.index_k_with_scale_buffer[0]), expected)
+    assert not np.any(kv.host(new.kv_buffer[0])), "latent rows untouched"
+
+
+def test_empty_update_changes_nothing(kv, pool_kind):
+    pool = kv.make_pool(pool_kind)
+    before = kv.snapshot(pool, pool_kind)
+    for name in kv.SETTERS[pool_kind]:
+        pool = kv.call_setter(pool, name, 0, np.zeros((0,), np.int32), np.random.default_rng(0))
+    chex.assert_trees_all_equal(kv.snapshot(pool, pool_kind), before)
+
+
+# ---- values: dtype conversion, scales, fp8 saturation ------------------------------------------
+
+INPUT_DTYPES = [
+    np.dtype(np.float64),
+    *(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16)),
+    *(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2)),
+]
+
+
+def _inputs_in(dtype, rng, shape) -> np.ndarray:
+    """Random finite values of `dtype` spanning its range (float64: float32's), with subnormals
+    and signed zeros."""
+    info = ml_dtypes.finfo(dtype) if dtype.itemsize <= 2 else np.finfo(np.float32)
+    lo, hi = np.log2(float(info.smallest_subnormal)), np.log2(float(info.max))
+    mag = np.exp2(rng.uniform(lo, hi, shape))
+    x = (mag * rng.choice([-1.0, 1.0], shape)).astype(np.float64)
+    x.flat[:4] = [0.0, -0.0, float(info.max), -float(info.smallest_subnormal)][: x.size]
+    return np.clip(x, -float(info.max), float(info.max)).astype(dtype)
+
+
+# numpy arrays of every float dtype, and jax arrays of each one jax holds without x64.
+_INPUTS = [(d, False) for d in INPUT_DTYPES] + [(d, True) for d in INPUT_DTYPES[1:]]
+
+
+@pytest.mark.parametrize(
+    "in_dtype, as_jax", _INPUTS, ids=[f"{'jax' if j else 'numpy'}-{d.name}" for d, j in _INPUTS]
+)
+def test_any_float_input_dtype_is_converted(kv, pool_dtype, in_dtype, as_jax):
+    pool = kv.make_pool("mha", pool_dtype)
+    rng = np.random.default_rng(9)
+    k = _inputs_in(in_dtype, rng, (8, pool.head_num, pool.head_dim))
+    v = _inputs_in(in_dtype, rng, (8, pool.head_num, pool.v_head_dim))
+    if as_jax:
+        k, v = jnp.asarray(k), jnp.asarray(v)
+    loc = np.arange(2, 10)
+    new = pool.set_kv(0, loc, k, v)
+    # A float64 input reaches the device as float32 (x64 off): the reference does the same.
+    for name, x in (("k_buffer", k), ("v_buffer", v)):
+        got = kv.host(getattr(new, name)[0])[loc]
+        assert kv.same_bits(got, kv.encode_ref(np.asarray(x), pool_dtype)), name
+        if pool_dtype.itemsize == 1:  # fp8 saturates: finite in, finite stored
+            assert np.all(np.isfinite(kv.decode_ref(got, pool_dtype))), name
+
+
+def test_unscaled_values_in_the_pool_dtype_round_trip_bit_exactly(kv, pool_dtype):
+    pool = kv.make_pool("konly", pool_dtype)
+    rows, width = rows_of(pool), np.dtype(f"uint{8 * pool_dtype.itemsize}")
+    shape = (rows, pool.head_num, pool.head_dim)
+    bits = np.random.default_rng(19).integers(0, np.iinfo(width).max, shape, dtype=width)
+    x = bits.view(pool_dtype)
+    x = np.where(np.isfinite(x.astype(np.float32)), x, np.zeros((), pool_dtype))  # any finite
+    new = pool.set_k(0, np.arange(rows), x)
+    assert kv.same_bits(kv.host(new.get_key_buffer(0)), x)
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [2.0, 0.37, np.float32(1e-3), np.float64(300.0), jnp.float32(0.5), jnp.bfloat16(3.0)],
+    ids=["two", "odd", "np32", "np64", "jax32", "jaxbf16"],
+)
+def test_scaled_values_are_stored_divided(kv, pool_dtype, scale):
+    pool = kv.make_pool("mha", pool_dtype)
+    rng = np.random.default_rng(10)
+    k = kv.random_values(rng, (4, pool.head_num, pool.head_dim))
+    v = kv.random_values(rng, (4, pool.head_num, pool.v_head_dim))
+    loc = np.array([1, 2, 3, 4])
+    new = pool.set_kv(0, loc, k, v, k_scale=scale, v_scale=2.5)
+    k_ref = kv.encode_ref(k, pool_dtype, np.float32(scale))
+    assert kv.same_bits(kv.host(new.k_buffer[0])[loc], k_ref)
+    assert kv.same_bits(kv.host(new.v_buffer[0])[loc], kv.encode_ref(v, pool_dtype, 2.5))
+
+
+def test_scale_divides_exactly_in_float32(kv):
+    pool = kv.make_pool("konly", jnp.float32)
+    x = np.array([3.0, 1.0, 2315.873, -6.8436863e15, 7.0, 0.1], np.float32)
+    k = np.broadcast_to(x[:, None, None], (6, pool.head_num, pool.head_dim))
+    new = pool.set_k(0, np.arange(6), k, k_scale=0.37)
+    got = kv.host(new.get_key_buffer(0))[:6, 0, 0]
+    assert kv.same_bits(got, x / np.float32(0.37))  # IEEE quotient, not x * (1 / 0.37)
+    new = new.set_k(0, np.array([0]), np.full((1, 2, 4), 3.0), k_scale=2.0)
+    assert float(new.get_key_buffer(0)[0, 0, 0]) == 1.5
+
+
+@pytest.mark.parametrize("kind", LATENT_KINDS)
+def test_latent_set_kv_applies_k_scale(kv, kind, pool_dtype):
+    pool = kv.make_pool(kind, pool_dtype)
+    k = kv.random_values(np.random.default_rng(11), (2, *kv.key_row_shape(pool)))
+    new = pool.set_kv(0, np.array([1, 2]), k, None, k_scale=0.25, v_scale=1e-9)
+    assert kv.same_bits(kv.host(new.kv_buffer[0])[1:3], kv.encode_ref(k, pool_dtype, 0.25))
+
+
+@pytest.mark.parametrize(
+    "pool_dtype, value, stored",
+    [
+        (jnp.dtype(jnp.float8_e4m3fn), 1000.0, 448.0),
+        (jnp.dtype(jnp.float8_e4m3fn), -1000.0, -448.0),
+        (jnp.dtype(jnp.float8_e4m3fn), 464.0, 448.0),  # rounds past max: must not become NaN
+        (jnp.dtype(jnp.float8_e4m3fn), 3.0e38, 448.0),
+        (jnp.dtype(jnp.float8_e5m2), 1e6, 57344.0),
+        (jnp.dtype(jnp.float8_e5m2), -1e6, -57344.0),
+        (jnp.dtype(jnp.float8_e5m2), 61440.0, 57344.0),  # rounds past max: must not become inf
+        (jnp.dtype(jnp.float8_e5m2), -3.0e38, -57344.0),
+        (jnp.dtype(jnp.float8_e4m3fn), 1e300, 448.0),  # finite float64, inf once in float32
+        (jnp.dtype(jnp.float8_e5m2), -1e300, -57344.0),
+    ],
+    ids=lambda x: str(x),
+)
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_fp8_casts_saturate(kv, pool_dtype, value, stored):
+    pool = kv.make_pool("mha", pool_dtype)
+    in_dtype = np.float64 if abs(value) > 3.4e38 else np.float32
+    k = np.full((1, pool.head_num, pool.head_dim), value, in_dtype)
+    v = np.full((1, pool.head_num, pool.v_head_dim), value, in_dtype)
+    new = pool.set_kv(0, np.array([3]), k, v)
+    for read in (new.get_key_buffer(0), new.get_value_buffer(0)):
+        np.testing.assert_array_equal(kv.host(read)[3].astype(np.float32), stored)
+
+
+@pytest.mark.parametrize("pool_dtype", FP8, ids=lambda d: d.name)
+@pytest.mark.parametrize("scale", [None, 1e-30], ids=["unscaled", "scaled"])
+def test_fp8_never_turns_finite_input_into_nan_or_inf(kv, pool_dtype, pool_kind, scale):
+    pool = kv.make_pool(pool_kind, pool_dtype)
+    rng = np.random.default_rng(12)
+    f32 = np.finfo(np.float32)
+    loc = np.arange(rows_of(pool))
+    # Every magnitude from float32's smallest subnormal to its max, both signs.
+    mags = np.geomspace(float(f32.smallest_subnormal), float(f32.max), 64).astype(np.float32)
+    shape = (len(loc), *kv.key_row_shape(pool))
+    x = rng.choice(mags, shape) * rng.choice(np.float32([-1, 1]), shape)
+    if pool_kind == "mha":
+        pool = pool.set_kv(0, loc, x, x[..., : pool.v_head_dim], k_scale=scale, v_scale=scale)
+    else:
+        pool = pool.set_k(0, loc, x, k_scale=scale)
+    if pool_kind in LATENT_KINDS and scale is None:
+        r = pool.kv_lora_rank
+        pool = pool.set_mla_kv(1, loc, x[..., :r], x[..., r:])
+    for layer in range(pool.layer_num):
+        for name in kv.row_buffer_names(pool_kind):
+            stored = kv.decode_ref(kv.host(getattr(pool, name)[layer]), pool_dtype)
+            assert np.all(np.isfinite(stored)), (name, layer)
+
+
+# ---- loc: dropping, bounds checks ------------------------------------------------------------
+
+
+def _prefilled(kv, kind, dtype=jnp.bfloat16):
+    """A pool whose every row of every layer holds distinct data."""
+    pool = kv.make_pool(kind, dtype)
+    rng = np.random.default_rng(13)
+    every = np.arange(rows_of(pool))
+    for layer in range(pool.layer_num):
+        pool = kv.fill_all(pool, kind, layer, every, rng)
+    return pool
+
+
+_BAD_LOCS = {
+    "minus-one": lambda rows: np.array([-1]),
+    "rows": lambda rows: np.array([rows]),
+    "far-negative": lambda rows: np.array([-rows, -(2**40)]),
+    "int64-wrap-to-5": lambda rows: np.array([2**32 + 5, 2**33 + 5], np.int64),
+    "int32-max": lambda rows: np.array([2**31 - 1, -(2**31)], np.int32),
+    "uint32-max": lambda rows: np.array([2**32 - 1, 2**32 - 5], np.uint32),
+    "uint64-huge": lambda rows: np.array([2**64 - 1, 2**63 + 5], np.uint64),
+    "jax-int32": lambda rows: jnp.array([-1, rows, 2**31 - 1, -(2**31)], jnp.int32),
+    "int16": lambda rows: np.array([-1, rows + 3], np.int16),
+}
+
+
+@pytest.mark.parametrize("bad", list(_BAD_LOCS))
+def test_out_of_range_loc_is_dropped_and_touches_nothing(kv, pool_kind, bad):
+    pool = _prefilled(kv, pool_kind)
+    loc = _BAD_LOCS[bad](rows_of(pool))
+    before = kv.snapshot(pool, pool_kind)
+    new = kv.fill_all(pool, pool_kind, 1, loc, np.random.default_rng(14))
+    chex.assert_trees_all_equal(kv.snapshot(new, pool_kind), before)
+
+
+def test_minus_one_and_wrapping_slots_leave_their_rows_alone_among_valid_ones(kv, pool_kind):
+    pool = _prefilled(kv, pool_kind, jnp.float32)
+    rows = rows_of(pool)
+    loc = np.array([3, -1, 2**32 + 5, rows, 7, -rows + 5], np.int64)
+    valid = np.array([True, False, False, False, True, False])
+    before = kv.snapshot(pool, pool_kind)
+    new = kv.fill_all(pool, pool_kind, 0, loc, np.random.default_rng(15))
+    after = kv.snapshot(new, pool_kind)
+    for name in kv.row_buffer_names(pool_kind):
+        changed = np.flatnonzero(np.any(after[name][0] != before[name][0], axis=(1, 2)))
+        np.testing.assert_array_equal(changed, loc[valid])
+        np.testing.assert_array_equal(after[name][0][rows - 1], before[name][0][rows - 1])
+        np.testing.assert_array_equal(after[name][0][5], before[name][0][5])
+    if pool_kind == "nsa":  # pages of slots 3 and 7 (0 and 1) changed, the last page did not
+        b, a = before["index_k_with_scale_buffer"][0], after["index_k_with_scale_buffer"][0]
+        assert np.any(a[0] != b[0]) and np.any(a[1] != b[1])
+        np.testing.assert_array_equal(a[-1], b[-1])
+
+
+@pytest.mark.parametrize("bad_first", ["minus-one", "past-end", "int64-huge"])
+def test_check_bounds_raises_naming_the_first_bad_entry(kv, pool_kind, bad_first):
+    pool = kv.make_pool(pool_kind)
+    rows = rows_of(pool)
+    bad = {"minus-one": -1, "past-end": rows + 1, "int64-huge": 2**32 + 5}[bad_first]
+    loc = np.array([1, 2, bad, rows + 1000, 3], np.int64)
+    before = kv.snapshot(pool, pool_kind)
+    for name in kv.SETTERS[pool_kind]:
+        with pytest.raises(IndexError) as err:
+            kv.call_setter(pool, name, 0, loc, np.random.default_rng(0), check_bounds=True)
+        msg = str(err.value)
+        assert str(bad) in msg, msg
+        assert str(rows + 1000) not in msg, msg
+    chex.assert_trees_all_equal(kv.snapshot(pool, pool_kind), before)  # unchanged, not donated
+
+
+def test_check_bounds_accepts_valid_loc(kv, pool_kind):
+    pool = kv.make_pool(pool_kind, jnp.float32)
+    loc = np.array([0, rows_of(pool) - 1])
+    new = kv.fill_all(pool, pool_kind, 0, loc, np.random.default_rng(0), check_bounds=True)
+    for name in kv.row_buffer_names(pool_kind):
+        buf = kv.host(getattr(new, name)[0])
+        assert np.any(buf[loc[0]]) and np.any(buf[loc[1]]), name
+
+
+# ---- shape errors ----------------------------------------------------------------------------
+
+
+def _shape_cases(kv, pool, kind):
+    """(description, call, argument name, expected shape, actual shape) for each bad shape."""
+    t, loc, f = 3, np.array([1, 2, 3]), np.zeros
+    key = (t, *kv.key_row_shape(pool))
+    wide_key = (*key[:-1], key[-1] + 2)
+    cases = [
+        ("set_k-dim", lambda: pool.set_k(0, loc, f(wide_key)), "cache_k", key, wide_key),
+        ("set_k-rank", lambda: pool.set_k(0, loc, f(key[:2])), "cache_k", key, key[:2]),
+        (
+            "set_k-tokens",
+            lambda: pool.set_k(0, loc, f((2, *key[1:]))),
+            "cache_k",
+            key,
+            (2, *key[1:]),
+        ),
+    ]
+    if kind == "mha":
+        v = (t, pool.head_num, pool.v_head_dim)
+        v_as_k = (t, pool.head_num, pool.head_dim)  # head_dim where v_head_dim belongs
+        cases += [
+            ("k-dim", lambda: pool.set_kv(0, loc, f(wide_key), f(v)), "cache_k", key, wide_key),
+            ("v-dim", lambda: pool.set_kv(0, loc, f(key), f(v_as_k)), "cache_v", v, v_as_k),
+            ("v-rank", lambda: pool.set_kv(0, loc, f(key), f(v[:2])), "cache_v", v, v[:2]),
+        ]
+    if kind in LATENT_KINDS:
+        nope, rope = (t, 1, pool.kv_lora_rank), (t, 1, pool.qk_rope_head_dim)
+        flat_nope = (t, pool.kv_lora_rank)
+        cases += [
+            (
+                "set_kv-dim",
+                lambda: pool.set_kv(0, loc, f(wide_key), None),
+                "cache_k",
+                key,
+                wide_key,
+            ),
+            ("nope-dim", lambda: pool.set_mla_kv(0, loc, f(rope), f(rope)), "k_nope", nope, rope),
+            ("rope-dim", lambda: pool.set_mla_kv(0, loc, f(nope), f(nope)), "k_rope", rope, nope),
+            (
+                "nope-rank",
+                lambda: pool.set_mla_kv(0, loc, f(flat_nope), f(rope)),
+                "k_nope",
+                nope,
+                flat_nope,
+            ),
+        ]
+    if kind == "nsa":
+        index = (t, pool.index_head_dim)
+        wide, deep = (t, 2 * pool.index_head_dim), (t, 1, pool.index_head_dim)
+        cases += [
+            ("index-dim", lambda: pool.set_index_k(0, loc, f(wide)), "index_k", index, wide),
+            ("index-rank", lambda: pool.set_index_k(0, loc, f(deep)), "index_k", index, deep),
+        ]
+    return cases
+
+
+def test_wrong_value_shapes_raise_value_error_naming_argument_and_shapes(kv, pool_kind):
+    pool = kv.make_pool(pool_kind)
+    before = kv.snapshot(pool, pool_kind)
+    for desc, call, arg, expected, actual in _shape_cases(kv, pool, pool_kind):
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = str(err.value)
+        assert arg in msg, (desc, msg)
+        assert str(tuple(expected)) in msg, (desc, msg)
+        assert str(tuple(actual)) in msg, (desc, msg)
+    chex.assert_trees_all_equal(kv.snapshot(pool, pool_kind), before)  # nothing written
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
+def test_loc_of_wrong_rank_raises_value_error(kv, pool_kind, shape):
+    pool = kv.make_pool(pool_kind)
+    loc = np.ones(shape, np.int32)
+    for name in kv.SETTERS[pool_kind]:
+        with pytest.raises(ValueError, match="loc") as err:
+            kv.call_setter(pool, name, 0, loc, np.random.default_rng(0))
+        assert str(shape) in str(err.value), name
+
+
+# ---- purity, donation, sharding ----------------------------------------------------------------
+
+
+def test_updates_never_mutate_their_inputs(kv, pool_kind):
+    # fp8 with scales: the path that divides and clips (SGLang divides the caller's tensor).
+    pool = kv.make_pool(pool_kind, jnp.float8_e4m3fn)
+    rng = np.random.default_rng(16)
+    loc = np.array([2**32 + 5, 1, -1, 4], np.int64)
+    loc_copy = loc.copy()
+    for name in kv.SETTERS[pool_kind]:
+        scales = {"k_scale": 0.5} if name in ("set_k", "set_kv") else {}
+        if name == "set_kv" and pool_kind == "mha":
+            scales["v_scale"] = 4.0
+        args = kv.setter_args(pool, name, len(loc), rng)
+        kept = [None if a is None else a.copy() for a in args]
+        pool = getattr(pool, name)(0, loc, *args, **scales)
+        for a, b in zip(args, kept, strict=True):
+            np.testing.assert_array_equal(a, b)
+        jax_args = [None if a is None else jnp.asarray(a)[1:] for a in args]
+        pool = getattr(pool, name)(0, jnp.asarray(loc_copy[1:]), *jax_args, **scales)
+        for a, b in zip(jax_args, kept, strict=True):
+            if a is not None:
+                assert not a.is_deleted(), f"{name} donated a value argument"
+                np.testing.assert_array_equal(kv.host(a), b[1:])
+    np.testing.assert_array_equal(loc, loc_copy)
+
+
+def test_donate_true_consumes_only_the_replaced_layer_buffers(kv, pool_setter):
+    pool_kind, setter_name = pool_setter
+    written = kv.SETTERS[pool_kind][setter_name]
+    old = _prefilled(kv, pool_kind)
+    keep = kv.snapshot(old, pool_kind)
+    new = kv.call_setter(old, setter_name, 1, np.array([3, 5]), np.random.default_rng(17))
+    for name in kv.buffer_names(pool_kind):
+        for li in range(old.layer_num):
+            buf = getattr(old, name)[li]
+            if name in written and li == 1:
+                assert buf.is_deleted()
+            else:
+                chex.assert_trees_all_equal(kv.host(buf), keep[name][li])
+    readers = {
+        "k_buffer": [lambda p: p.get_key_buffer(1)],
+        "v_buffer": [lambda p: p.get_value_buffer(1), lambda p: p.get_kv_buffer(1)],
+        "kv_buffer": [
+            lambda p: p.get_key_buffer(1),
+            lambda p: p.get_value_buffer(1),
+            lambda p: p.get_kv_buffer(1),
+            lambda p: p.get_mla_kv(1, np.array([3])),
+        ],
+        "index_k_with_scale_buffer": [lambda p: p.get_index_k(1, np.array([3]))],
+    }
+    for name in written:
+        for read in readers[name]:
+            with pytest.raises(RuntimeError):
+                read(old)
+            jax.block_until_ready(read(new))  # the new pool owns the buffer
+    # Other layers of the old pool stay readable and correct.
+    key = kv.row_buffer_names(pool_kind)[0]
+    assert kv.same_bits(kv.host(old.get_key_buffer(0)).view(old.store_dtype), keep[key][0])
+
+
+def test_donate_false_keeps_the_old_pool_valid(kv, pool_kind):
+    old = _prefilled(kv, pool_kind)
+    keep = kv.snapshot(old, pool_kind)
+    new = kv.fill_all(old, pool_kind, 1, np.array([3, 5]), np.random.default_rng(18), donate=False)
+    chex.assert_trees_all_equal(kv.snapshot(old, pool_kind), keep)
+    changed = kv.snapshot(new, pool_kind)
+    for name in kv.buffer_names(pool_kind):
+        assert not np.array_equal(changed[name][1], keep[name][1]), name
+        np.testing.assert_array_equal(changed[name][0], keep[name][0])
+
+
+def test_results_keep_type_shapes_and_dtypes(kv, pool_kind):
+    pool = kv.make_pool(pool_kind, jnp.float16)
+    ref = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pool)
+    for name in kv.SETTERS[pool_kind]:
+        for donate in (True, False):
+            rng = np.random.default_rng(0)
+            new = kv.call_setter(pool, name, 0, np.array([1, 2]), rng, donate=donate)
+            assert type(new) is type(pool)
+            assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(pool)
+            chex.assert_trees_all_equal_shapes_and_dtypes(new, ref)
+            pool = new
+
+
+def test_sharding_places_every_buffer_and_updates_keep_it(kv, pool_kind, device_sharding):
+    pool = kv.make_pool(pool_kind, jnp.float8_e4m3fn, sharding=device_sharding)
+    for leaf in jax.tree_util.tree_leaves(pool):
+        assert leaf.sharding == device_sharding
+    for name in kv.SETTERS[pool_kind]:
+        pool = kv.call_setter(pool, name, 1, np.array([2, 3]), np.random.default_rng(0))
+        for leaf in jax.tree_util.tree_leaves(pool):
+            assert leaf.sharding == device_sharding, name
+    step = jax.jit(
+        lambda p, loc: p.set_k(1, loc, jnp.ones((2, *kv.key_row_shape(p)))), donate_argnums=0
+    )
+    pool = step(pool, jnp.array([4, 5]))
+    for leaf in jax.tree_util.tree_leaves(pool):
+        assert leaf.sharding == device_sharding
