@@ -56,8 +56,10 @@ def _row_shape(pool):
 
 
 def run() -> int:
-    print(f"jaxkv demo on {jax.devices()[0].platform}: {len(PROMPTS)} requests, prompts "
-          f"{list(PROMPTS)}, {DECODE_STEPS} decode steps, page size {PAGE}, {LAYERS} layers\n")
+    print(
+        f"jaxkv demo on {jax.devices()[0].platform}: {len(PROMPTS)} requests, prompts "
+        f"{list(PROMPTS)}, {DECODE_STEPS} decode steps, page size {PAGE}, {LAYERS} layers\n"
+    )
     alloc = PagedAllocator(SIZE, PAGE)
     seq = np.array(PROMPTS)
     prefill = alloc.alloc_extend(np.zeros_like(seq), seq, np.full_like(seq, -1))
@@ -68,12 +70,16 @@ def run() -> int:
         seq = seq + 1
         loc = alloc.alloc_decode(seq, prefill[last] if len(batches) == 1 else batches[-1])
         batches.append(loc)
-    print(f"allocator: {sum(b.size for b in batches)} slots in use, "
-          f"{alloc.available_size()} of {SIZE} tokens free, prefill slots "
-          f"{prefill[:4].tolist()}..., first decode slots {batches[1].tolist()}\n")
+    print(
+        f"allocator: {sum(b.size for b in batches)} slots in use, "
+        f"{alloc.available_size()} of {SIZE} tokens free, prefill slots "
+        f"{prefill[:4].tolist()}..., first decode slots {batches[1].tolist()}\n"
+    )
 
     rng = np.random.default_rng(0)
-    header = f"{'pool':<14}{'bytes':>12}{'tokens':>8}{'prefill ms':>12}{'decode us/step':>16}  check"
+    header = (
+        f"{'pool':<14}{'bytes':>12}{'tokens':>8}{'prefill ms':>12}{'decode us/step':>16}  check"
+    )
     print(header)
     print("-" * len(header))
     ok = True
@@ -95,17 +101,22 @@ def run() -> int:
             pool = step(pool, loc_dev, rows)
             jax.block_until_ready(pool)
             times.append(time.perf_counter() - start)
-        readers = [pool.get_key_buffer] + ([pool.get_value_buffer] if isinstance(pool, MHAPool)
-                                           else [])
+        readers = [pool.get_key_buffer] + (
+            [pool.get_value_buffer] if isinstance(pool, MHAPool) else []
+        )
         same = all(
             np.array_equal(np.asarray(read(pool.start_layer + i), np.float32), expected[i])
-            for read in readers for i in range(LAYERS)
+            for read in readers
+            for i in range(LAYERS)
         )
         kept = pool.buffers(pool.buffer_specs()[0].name)[0].unsafe_buffer_pointer() == pointer
         ok &= same and kept
         size = pool.get_kv_size_bytes()
         size = sum(size) if isinstance(size, tuple) else size
-        print(f"{name:<14}{size:>12,}{sum(b.size for b in batches):>8}{times[0] * 1e3:>12.2f}"
-              f"{np.median(times[1:]) * 1e6:>16.0f}  {'bit-exact, in place' if same and kept else 'MISMATCH'}")
+        verdict = "bit-exact, in place" if same and kept else "MISMATCH"
+        print(
+            f"{name:<14}{size:>12,}{sum(b.size for b in batches):>8}{times[0] * 1e3:>12.2f}"
+            f"{np.median(times[1:]) * 1e6:>16.0f}  {verdict}"
+        )
     print("\nprefill includes compilation; decode steps are timed after it.")
     return 0 if ok else 1

@@ -9,13 +9,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from jaxkv.connector import _hashing
-from jaxkv.connector._layout import PoolView, gather_blocks, view_of
+from jaxkv.connector._layout import PoolView, StagingCache, gather_blocks, view_of
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector.stores import BlockStore
 
@@ -44,20 +47,31 @@ class KVConnector:
         namespace: separates models (or deployments) sharing one store.
         shard: which shard of a model this pool holds, for per-rank pools of tensor-parallel
             deployments (e.g. "tp3of8"); jaxkv pools export full rows and keep "full".
+        max_pending: `store_async` calls whose writes may be in flight at once.
 
     Raises:
         UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes.
         ValueError: a bad `block_size`.
     """
 
-    def __init__(self, pool, store: BlockStore, *, block_size: int | None = None,
-                 namespace: str = "default", shard: str = "full"):
+    def __init__(
+        self,
+        pool,
+        store: BlockStore,
+        *,
+        block_size: int | None = None,
+        namespace: str = "default",
+        shard: str = "full",
+        max_pending: int = 8,
+    ):
         view = view_of(pool)
         page = view.layout.page_size
         if block_size is None:
             block_size = page if page > 1 else 16
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or (
-            block_size <= 0 or block_size % page
+        if (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, (int, np.integer))
+            or (block_size <= 0 or block_size % page)
         ):
             raise ValueError(
                 f"block_size: expected a positive multiple of the page size {page}, "
@@ -70,9 +84,22 @@ class KVConnector:
         self.namespace = namespace
         self.layout = dataclasses.replace(view.layout, shard=str(shard))
         self.fingerprint = self.layout.fingerprint(self.block_size)
+        self._staging = StagingCache()
+        self._lock = threading.Lock()
+        self._pending: dict[str, Future] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._room = threading.BoundedSemaphore(max_pending)
         self._counters = dict.fromkeys(
-            ("lookups", "hit_blocks", "blocks_stored", "blocks_loaded", "bytes_stored",
-             "bytes_loaded", "verification_failures"), 0,
+            (
+                "lookups",
+                "hit_blocks",
+                "blocks_stored",
+                "blocks_loaded",
+                "bytes_stored",
+                "bytes_loaded",
+                "verification_failures",
+            ),
+            0,
         )
 
     # ---- keys -----------------------------------------------------------------------------
@@ -90,12 +117,15 @@ class KVConnector:
     def lookup(self, token_ids, *, salt: str | bytes | None = None) -> int:
         """Leading tokens (a multiple of `block_size`) whose blocks are all stored."""
         n = 0
+        with self._lock:
+            pending = set(self._pending)
         for digest in self._digests(token_ids, salt)[0]:
-            if not self.backend.contains(digest.hex()):
+            key = digest.hex()
+            if key not in pending and not self.backend.contains(key):
                 break
             n += 1
-        self._counters["lookups"] += 1
-        self._counters["hit_blocks"] += n
+        self._count("lookups")
+        self._count("hit_blocks", n)
         return n * self.block_size
 
     # ---- transfers ----------------------------------------------------------------------
@@ -136,31 +166,110 @@ class KVConnector:
             )
         return gather_blocks(view, self._slots(slots, n, view.layout.rows), self.block_size)
 
-    def store(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> int:
-        """Stores the full blocks of `token_ids` not already stored; `slots[t]` is the pool row
-        of token `t`. Returns the number of blocks newly written."""
+    def _snapshot(self, pool, token_ids, slots, salt) -> list[BlockRecord]:
+        """Records of the full blocks not yet stored (nor being written), copied to host."""
         view = self._view(pool)
         digests, data = self._digests(token_ids, salt)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
-        missing = [i for i, d in enumerate(digests) if not self.backend.contains(d.hex())]
+        with self._lock:
+            pending = set(self._pending)
+        missing = [
+            i
+            for i, d in enumerate(digests)
+            if d.hex() not in pending and not self.backend.contains(d.hex())
+        ]
         if not missing:
-            return 0
+            return []
         bs = self.block_size
         rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in missing])
         staged = gather_blocks(view, rows, bs)
-        written = 0
-        for j, i in enumerate(missing):
-            record = BlockRecord(
+        return [
+            BlockRecord(
                 key=digests[i].hex(),
                 layout=self.fingerprint,
                 tokens=_hashing.block_digest(data[4 * i * bs : 4 * (i + 1) * bs]),
                 parts={key: arr[j] for key, arr in staged.items()},
             )
+            for j, i in enumerate(missing)
+        ]
+
+    def _write(self, records: list[BlockRecord]) -> int:
+        written = 0
+        for record in records:
             if self.backend.put(record):
                 written += 1
-                self._counters["bytes_stored"] += record.nbytes
-        self._counters["blocks_stored"] += written
+                self._count("bytes_stored", record.nbytes)
+        self._count("blocks_stored", written)
         return written
+
+    def store(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> int:
+        """Stores the full blocks of `token_ids` not already stored; `slots[t]` is the pool row
+        of token `t`. Returns the number of blocks newly written."""
+        return self._write(self._snapshot(pool, token_ids, slots, salt))
+
+    def store_async(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> Future:
+        """Like `store`, but returns as soon as the blocks are copied to host memory.
+
+        The device-to-host snapshot is taken before this returns, so the pool may be donated
+        to the next step at once; the writes into the store run on one background worker, at
+        most `max_pending` calls deep (a further call waits for room). `load` waits for the
+        blocks it needs that are still being written; `lookup` counts them as stored.
+
+        Returns:
+            A `concurrent.futures.Future` of the number of blocks newly written.
+        """
+        records = self._snapshot(pool, token_ids, slots, salt)
+        if not records:
+            done: Future = Future()
+            done.set_result(0)
+            return done
+        self._room.acquire()
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-store")
+            future = self._executor.submit(self._write, records)
+            for r in records:
+                self._pending[r.key] = future
+        future.add_done_callback(lambda f, keys=[r.key for r in records]: self._settle(f, keys))
+        return future
+
+    def _settle(self, future: Future, keys: list[str]) -> None:
+        with self._lock:
+            for k in keys:
+                if self._pending.get(k) is future:
+                    del self._pending[k]
+        self._room.release()
+
+    def flush(self) -> None:
+        """Waits until every `store_async` write has reached the store."""
+        with self._lock:
+            futures = set(self._pending.values())
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        """Flushes pending writes and stops the background worker."""
+        self.flush()
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def __enter__(self) -> KVConnector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _wait_pending(self, key: str) -> None:
+        with self._lock:
+            future = self._pending.get(key)
+        if future is not None:
+            future.result()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
 
     def load(self, pool, token_ids, slots, *, salt: str | bytes | None = None):
         """Copies the longest stored prefix of `token_ids` into rows `slots[:n]`, bit-exact.
@@ -178,20 +287,26 @@ class KVConnector:
         bs = self.block_size
         records: list[BlockRecord] = []
         for i, digest in enumerate(digests):
+            self._wait_pending(digest.hex())
             record = self.backend.get(digest.hex())
             if record is None:
                 break
             if not self._valid(record, data[4 * i * bs : 4 * (i + 1) * bs]):
-                self._counters["verification_failures"] += 1
+                self._count("verification_failures")
                 break
             records.append(record)
         if not records:
             return pool, 0
         n = len(records) * bs
-        staging = [np.stack([r.parts[p.key] for r in records]) for p in view.layout.parts]
-        new_pool = view.write(slots[:n], staging)
-        self._counters["blocks_loaded"] += len(records)
-        self._counters["bytes_loaded"] += sum(r.nbytes for r in records)
+        with contextlib.ExitStack() as stack:
+            staging = []
+            for p in view.layout.parts:
+                shape = (len(records), self.layout.layer_num, bs, *p.row_shape)
+                buf = stack.enter_context(self._staging.borrow(shape, p.bits_dtype))
+                staging.append(np.stack([r.parts[p.key] for r in records], out=buf))
+            new_pool = view.write(slots[:n], staging, bs)
+        self._count("blocks_loaded", len(records))
+        self._count("bytes_loaded", sum(r.nbytes for r in records))
         return new_pool, n
 
     def _valid(self, record: BlockRecord, block_tokens: bytes) -> bool:
@@ -210,4 +325,6 @@ class KVConnector:
 
     def stats(self) -> dict[str, int]:
         """Connector counters, with the store's under `"store"`."""
-        return {**self._counters, "store": self.backend.stats()}
+        with self._lock:
+            counters = dict(self._counters)
+        return {**counters, "pending_blocks": len(self._pending), "store": self.backend.stats()}

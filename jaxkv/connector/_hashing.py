@@ -24,8 +24,7 @@ def token_bytes(token_ids) -> bytes:
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"token_ids: expected integer token ids, got dtype {arr.dtype}")
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
-        raise ValueError("token_ids: expected ids in [0, 2**32), got "
-                         f"[{arr.min()}, {arr.max()}]")
+        raise ValueError(f"token_ids: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
     return arr.astype("<u4", copy=False).tobytes()
 
 

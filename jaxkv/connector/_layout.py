@@ -10,9 +10,11 @@ the next donated update into a full copy).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -24,7 +26,12 @@ from jaxkv._pool_base import PoolBase
 from jaxkv.errors import UnsupportedKVCacheError
 
 # jaxkv buffer attribute -> export key.
-_PART_KEYS = {"k_buffer": "k", "v_buffer": "v", "kv_buffer": "kv", "index_k_with_scale_buffer": "index_k"}
+_PART_KEYS = {
+    "k_buffer": "k",
+    "v_buffer": "v",
+    "kv_buffer": "kv",
+    "index_k_with_scale_buffer": "index_k",
+}
 _KINDS = {"MHAPool": "mha", "KOnlyPool": "k_only", "MLAPool": "mla", "NSAPool": "nsa"}
 
 
@@ -77,7 +84,9 @@ def _device_array(x) -> jax.Array:
     if isinstance(x, jax.Array):
         return x
     if isinstance(x, np.ndarray):
-        return jax.dlpack.from_dlpack(np.ascontiguousarray(x))
+        # numpy cannot export bf16 or fp8 through DLPack: carry their raw bits instead.
+        host = np.ascontiguousarray(x)
+        return jax.dlpack.from_dlpack(host.view(_dtypes.bits_dtype(host.dtype)))
     if hasattr(x, "__dlpack__"):
         return jax.dlpack.from_dlpack(x)
     raise TypeError(f"expected an array supporting DLPack, got {type(x).__name__}")
@@ -96,7 +105,7 @@ class PoolView:
             tuple(_device_array(b) for b in getattr(self.pool, p.attr)) for p in self.layout.parts
         )
 
-    def write(self, slots: np.ndarray, staging: Sequence[np.ndarray]):
+    def write(self, slots: np.ndarray, staging: Sequence[np.ndarray], block_size: int):
         """Writes block-major `staging` (one array per part) at `slots`; returns the pool."""
         raise NotImplementedError
 
@@ -108,9 +117,13 @@ class _JaxkvView(PoolView):
             for p in self.layout.parts
         )
 
-    def write(self, slots, staging):
+    def write(self, slots, staging, block_size):
         codecs = tuple(p.codec for p in self.layout.parts)
-        new = _scatter_donated(self.arrays(), jnp.asarray(slots, jnp.int32), tuple(staging), codecs)
+        starts = block_starts(slots, block_size)
+        arrays = self.arrays()
+        staged = tuple(to_device(st, arrays[0][0]) for st in staging)
+        new = _scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
+        jax.block_until_ready(new)  # the staging memory is reused once this returns
         changes = {p.attr: bufs for p, bufs in zip(self.layout.parts, new)}
         return dataclasses.replace(self.pool, **changes)
 
@@ -119,15 +132,20 @@ class _ForeignView(PoolView):
     """SGLang-shaped objects: jax buffers are replaced functionally (the object's sequence is
     swapped for the new arrays); host buffers numpy can write are updated in place."""
 
-    def write(self, slots, staging):
+    def write(self, slots, staging, block_size):
+        starts = block_starts(slots, block_size)
         for part, block_rows in zip(self.layout.parts, staging):
             layers = getattr(self.pool, part.attr)
             rows = _token_major(block_rows)
             if all(isinstance(b, jax.Array) for b in layers):
+                staged = to_device(block_rows, layers[0])
                 new = _scatter_donated(
-                    (tuple(layers),), jnp.asarray(slots, jnp.int32), (block_rows,), (part.codec,)
+                    (tuple(layers),), slots.astype(np.int32), starts, (staged,), (part.codec,)
                 )[0]
-                setattr(self.pool, part.attr, type(layers)(new) if isinstance(layers, list) else new)
+                jax.block_until_ready(new)
+                setattr(
+                    self.pool, part.attr, type(layers)(new) if isinstance(layers, list) else new
+                )
                 continue
             for li, buf in enumerate(layers):
                 host = np.from_dlpack(buf) if not isinstance(buf, np.ndarray) else buf
@@ -170,8 +188,13 @@ def _jaxkv_layout(pool: PoolBase) -> Layout:
         for s in pool.buffer_specs()
     )
     return Layout(
-        kind=_KINDS[type(pool).__name__], dtype=pool.dtype.name, page_size=pool.page_size,
-        start_layer=pool.start_layer, layer_num=pool.layer_num, rows=pool.rows, parts=parts,
+        kind=_KINDS[type(pool).__name__],
+        dtype=pool.dtype.name,
+        page_size=pool.page_size,
+        start_layer=pool.start_layer,
+        layer_num=pool.layer_num,
+        rows=pool.rows,
+        parts=parts,
     )
 
 
@@ -227,43 +250,156 @@ def _foreign_layout(pool) -> Layout:
             parts.append(Part("index_k", attr, (head_dim + 4,), jnp.dtype(jnp.uint8), codec))
         else:
             row = tuple(int(d) for d in b.shape[1:])
-            parts.append(Part(_PART_KEYS[attr], attr, row, _dtypes.bits_dtype(dt), _kernels.RowCodec(dt)))
+            parts.append(
+                Part(_PART_KEYS[attr], attr, row, _dtypes.bits_dtype(dt), _kernels.RowCodec(dt))
+            )
     return Layout(
-        kind=kind, dtype=jnp.dtype(main[0].dtype).name, page_size=page_size,
-        start_layer=int(getattr(pool, "start_layer", 0) or 0), layer_num=len(main), rows=rows,
+        kind=kind,
+        dtype=jnp.dtype(main[0].dtype).name,
+        page_size=page_size,
+        start_layer=int(getattr(pool, "start_layer", 0) or 0),
+        layer_num=len(main),
+        rows=rows,
         parts=tuple(parts),
     )
 
 
 # ---- device kernels ---------------------------------------------------------------------
+#
+# `starts` is not None when every block's slots are one contiguous run (the usual case: a block
+# is a page, or a run of pages): then each (block, layer) moves as one window of block_size
+# rows, which XLA:CPU copies at memcpy speed, instead of row by row. NSA index records live
+# inside pages and always go token by token.
 
 
-def _gather(arrays, slots, codecs, block_size):
-    out = []
-    for bufs, codec in zip(arrays, codecs):
-        rows = jnp.stack([_dtypes.to_bits(codec.read(b, slots)) for b in bufs])  # (L, T, *row)
-        nl, t = rows.shape[:2]
-        rows = rows.reshape(nl, t // block_size, block_size, *rows.shape[2:])
-        out.append(jnp.swapaxes(rows, 0, 1))
-    return tuple(out)
-
-
-def _scatter(arrays, slots, staging, codecs):
-    new = []
-    for bufs, codec, st in zip(arrays, codecs, staging):
-        nb, nl, bs = st.shape[:3]
-        rows = jnp.swapaxes(st, 0, 1).reshape(nl, nb * bs, *st.shape[3:])
-        new.append(
-            tuple(
-                codec.load(b, slots, _dtypes.from_bits(rows[li], b.dtype))
-                for li, b in enumerate(bufs)
-            )
+def _window_dnums(row_ndim: int, gather: bool):
+    window = tuple(range(1, row_ndim + 2))
+    if gather:
+        return jax.lax.GatherDimensionNumbers(
+            offset_dims=window, collapsed_slice_dims=(), start_index_map=(0,)
         )
-    return tuple(new)
+    return jax.lax.ScatterDimensionNumbers(
+        update_window_dims=window, inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
+    )
 
 
-_gather_jit = jax.jit(_gather, static_argnums=(2, 3))
-_scatter_donated = jax.jit(_scatter, static_argnums=(3,), donate_argnums=(0,))
+def _read_blocks(codec, buf, slots, starts, block_size):
+    """(n_blocks, block_size, *row) bits of one layer buffer."""
+    if starts is not None and isinstance(codec, _kernels.RowCodec):
+        return jax.lax.gather(
+            buf,
+            starts[:, None],
+            _window_dnums(buf.ndim - 1, True),
+            slice_sizes=(block_size, *buf.shape[1:]),
+            mode="fill",
+            fill_value=0,
+        )
+    rows = codec.read(buf, slots)
+    return rows.reshape(-1, block_size, *rows.shape[1:])
+
+
+def _write_blocks(codec, buf, slots, starts, blocks):
+    if starts is not None and isinstance(codec, _kernels.RowCodec):
+        return jax.lax.scatter(
+            buf,
+            starts[:, None],
+            blocks,
+            _window_dnums(buf.ndim - 1, False),
+            indices_are_sorted=False,
+            unique_indices=False,
+            mode="drop",
+        )
+    return codec.load(buf, slots, blocks.reshape(-1, *blocks.shape[2:]))
+
+
+# Blocks move as raw bits, never as floats: XLA:CPU quiets or canonicalises NaN payloads when it
+# gathers or scatters bf16 and fp8 values, and a foreign pool may keep its buffers in those dtypes.
+
+
+def _gather(arrays, slots, starts, codecs, block_size):
+    return tuple(
+        jnp.stack(
+            [_read_blocks(c, _dtypes.to_bits(b), slots, starts, block_size) for b in bufs], axis=1
+        )
+        for bufs, c in zip(arrays, codecs)
+    )
+
+
+def _scatter(arrays, slots, starts, staging, codecs):
+    return tuple(
+        tuple(
+            _dtypes.from_bits(
+                _write_blocks(c, _dtypes.to_bits(b), slots, starts, st[:, li]), b.dtype
+            )
+            for li, b in enumerate(bufs)
+        )
+        for bufs, c, st in zip(arrays, codecs, staging)
+    )
+
+
+_gather_jit = jax.jit(_gather, static_argnums=(3, 4))
+_scatter_donated = jax.jit(_scatter, static_argnums=(4,), donate_argnums=(0,))
+
+
+def block_starts(slots: np.ndarray, block_size: int) -> np.ndarray | None:
+    """First slot of each block when every block is one contiguous run of slots, else None."""
+    blocks = slots.reshape(-1, block_size)
+    if np.array_equal(blocks, blocks[:, :1] + np.arange(block_size)):
+        return np.ascontiguousarray(blocks[:, 0]).astype(np.int32)
+    return None
+
+
+def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
+    """`host` on `like`'s device: a zero-copy DLPack view on CPU, a transfer elsewhere."""
+    dev = min(like.sharding.device_set, key=lambda d: d.id)
+    if dev.platform == "cpu":
+        return jax.dlpack.from_dlpack(host)
+    return jax.device_put(host, dev)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialised host array whose data starts on an `alignment`-byte boundary.
+
+    XLA:CPU imports a DLPack buffer without copying only when it is 64-byte aligned; numpy
+    guarantees 16.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+class StagingCache:
+    """Reusable host staging buffers for loads.
+
+    Fresh host memory costs a page fault per 4 KiB page on first touch; staging a load in
+    memory already touched is what keeps it at memcpy speed. At most `max_bytes` stay idle.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self._lock = threading.Lock()
+        self._idle: dict[tuple, list[np.ndarray]] = {}
+        self._idle_bytes = 0
+        self.max_bytes = max_bytes
+
+    @contextlib.contextmanager
+    def borrow(self, shape: tuple[int, ...], dtype):
+        key = (tuple(shape), np.dtype(dtype).str)
+        with self._lock:
+            idle = self._idle.get(key)
+            buf = idle.pop() if idle else None
+            if buf is not None:
+                self._idle_bytes -= buf.nbytes
+        if buf is None:
+            buf = aligned_empty(shape, dtype)
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                if self._idle_bytes + buf.nbytes <= self.max_bytes:
+                    self._idle.setdefault(key, []).append(buf)
+                    self._idle_bytes += buf.nbytes
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -280,5 +416,7 @@ def to_host(x: jax.Array) -> np.ndarray:
 def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
     """Block-major staging arrays `(n_blocks, layer_num, block_size, *row)`, one per part."""
     codecs = tuple(p.codec for p in view.layout.parts)
-    staged = _gather_jit(view.arrays(), jnp.asarray(slots, jnp.int32), codecs, block_size)
+    starts = block_starts(slots, block_size)
+    staged = _gather_jit(view.arrays(), slots.astype(np.int32), starts, codecs, block_size)
+    jax.block_until_ready(staged)  # the snapshot is complete when this returns
     return {p.key: to_host(x) for p, x in zip(view.layout.parts, staged)}

@@ -62,8 +62,13 @@ def encode(record: BlockRecord) -> bytes:
         parts.append([name, arr.dtype.str, list(arr.shape), offset, int(arr.nbytes)])
         offset += int(arr.nbytes)
     header = json.dumps(
-        {"key": record.key, "layout": record.layout, "tokens": record.tokens, "parts": parts,
-         "payload": offset},
+        {
+            "key": record.key,
+            "layout": record.layout,
+            "tokens": record.tokens,
+            "parts": parts,
+            "payload": offset,
+        },
         separators=(",", ":"),
     ).encode()
     body = b"".join(

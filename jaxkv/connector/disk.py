@@ -32,11 +32,13 @@ class DiskStore(BlockStore):
         >>> store = DiskStore("/tmp/jaxkv-cache", capacity_bytes=8 << 30)
     """
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int | None = None, *,
-                 fsync: bool = False):
+    def __init__(
+        self, path: str | os.PathLike, capacity_bytes: int | None = None, *, fsync: bool = False
+    ):
         super().__init__()
         if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
             or capacity_bytes <= 0
         ):
             raise ValueError(
@@ -48,6 +50,7 @@ class DiskStore(BlockStore):
         os.makedirs(self.path, exist_ok=True)
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._bytes = 0
+        self._writing: dict[str, threading.Event] = {}  # keys being written, set when done
         self._scan()
 
     def _scan(self) -> None:
@@ -79,17 +82,18 @@ class DiskStore(BlockStore):
         return self._bytes
 
     def contains(self, key: str) -> bool:
+        # The folder is the truth: another process sharing it may have written or evicted the
+        # file since this index last saw it.
         path = self._file(key)
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            self._forget(key)
+            return False
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
-                return True
-        try:  # written by another process sharing the folder
-            size = os.stat(path).st_size
-        except OSError:
-            return False
-        with self._lock:
-            if key not in self._index:
+            else:
                 self._index[key] = size
                 self._bytes += size
         return True
@@ -131,6 +135,23 @@ class DiskStore(BlockStore):
 
     def put(self, record: BlockRecord) -> bool:
         path = self._file(record.key)
+        # One writer per key: a second thread storing the same block waits for the first (so
+        # the block is readable when its `put` returns) and does not count it again.
+        with self._lock:
+            busy = self._writing.get(record.key)
+            if busy is None:
+                done = self._writing[record.key] = threading.Event()
+        if busy is not None:
+            busy.wait()
+            return False
+        try:
+            return self._put(record, path)
+        finally:
+            with self._lock:
+                del self._writing[record.key]
+            done.set()
+
+    def _put(self, record: BlockRecord, path: str) -> bool:
         if self.contains(record.key):
             return False
         data = _records.encode(record)

@@ -1,0 +1,727 @@
+"""Connector tests: API.md "Connector" (`KVConnector`, `export_blocks`, `lookup`/`store`/`load`).
+
+Every round trip is checked against a plain numpy model of the pool's buffers: rows are raw
+bits (so NaN payloads and fp8 codes must survive untouched), and NSA's indexer buffer is read
+and written through SGLang's page layout (per page: the fp8 keys of its tokens, then one
+float32 scale per token), written out here independently of jaxkv's own codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
+from jaxkv.connector import DiskStore, HostStore, KVConnector, min_block_count
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+KINDS = ("mha", "k_only", "mla", "nsa")
+INDEX_ATTR = "index_k_with_scale_buffer"
+INDEX_HEAD_DIM = 8
+# (page_size, block_size, start_layer): token pools, paged pools with block == page, and
+# blocks of two pages; stages that do not start at layer 0.
+CONFIGS = ((1, None, 0), (4, None, 3), (16, None, 0), (4, 8, 1))
+
+# --------------------------------------------------------------------------------------------
+# A numpy model of the pools' buffers
+
+
+def _bits_dtype(dtype) -> np.dtype:
+    return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+
+
+def _make_pool(kind, *, size=64, page_size=4, dtype=jnp.bfloat16, layer_num=2, start_layer=0):
+    common = dict(
+        size=size, page_size=page_size, dtype=dtype, layer_num=layer_num, start_layer=start_layer
+    )
+    if kind == "mha":
+        return MHAPool.create(head_num=2, head_dim=4, v_head_dim=3, **common)
+    if kind == "k_only":
+        return KOnlyPool.create(head_num=2, head_dim=4, **common)
+    if kind == "mla":
+        return MLAPool.create(kv_lora_rank=6, qk_rope_head_dim=2, **common)
+    return NSAPool.create(
+        kv_lora_rank=6, qk_rope_head_dim=2, index_head_dim=INDEX_HEAD_DIM, **common
+    )
+
+
+def _attrs(pool) -> tuple[str, ...]:
+    """The per-layer buffer attributes an object has, in SGLang's names."""
+    names = ("k_buffer", "v_buffer", "kv_buffer", INDEX_ATTR)
+    return tuple(a for a in names if hasattr(pool, a))
+
+
+def _random_bits(rng, shape, dtype) -> np.ndarray:
+    """Uniformly random raw bit patterns viewed as `dtype` (NaNs, infs and subnormals included)."""
+    bits = _bits_dtype(dtype)
+    return rng.integers(0, np.iinfo(bits).max, shape, dtype=bits, endpoint=True).view(dtype)
+
+
+def _fill(pool, rng):
+    """Writes random bits into every row of every layer (NSA: random index keys too)."""
+    loc = np.arange(pool.size + pool.page_size)
+    t = loc.shape[0]
+    for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+        if isinstance(pool, MHAPool):
+            k = _random_bits(rng, (t, pool.head_num, pool.head_dim), pool.dtype)
+            v = _random_bits(rng, (t, pool.head_num, pool.v_head_dim), pool.dtype)
+            pool = pool.set_kv(layer, loc, jnp.asarray(k), jnp.asarray(v))
+        elif isinstance(pool, KOnlyPool):
+            k = _random_bits(rng, (t, pool.head_num, pool.head_dim), pool.dtype)
+            pool = pool.set_k(layer, loc, jnp.asarray(k))
+        else:
+            width = pool.kv_lora_rank + pool.qk_rope_head_dim
+            latent = jnp.asarray(_random_bits(rng, (t, 1, width), pool.dtype))
+            pool = pool.set_kv(layer, loc, latent, None)
+            if isinstance(pool, NSAPool):
+                mag = 10.0 ** rng.uniform(-3, 3, (t, 1))
+                index = (rng.standard_normal((t, pool.index_head_dim)) * mag).astype(np.float32)
+                pool = pool.set_index_k(layer, loc, index)
+    return pool
+
+
+def _raw(pool) -> dict[str, list[np.ndarray]]:
+    """Owned copies of every layer buffer's raw bits (jaxkv pool or SGLang-shaped object)."""
+    out = {}
+    for attr in _attrs(pool):
+        out[attr] = []
+        for buf in getattr(pool, attr):
+            host = np.array(buf, copy=True)
+            out[attr].append(host.view(_bits_dtype(host.dtype)))
+    return out
+
+
+def _index_positions(slot: int, page_size: int, head_dim: int) -> np.ndarray:
+    """Flat byte offsets of one token's record (fp8 keys, then its float32 scale) in SGLang's
+    indexer layout `(pages, page_size * (head_dim + 4))`."""
+    page, off = divmod(int(slot), page_size)
+    base = page * page_size * (head_dim + 4)
+    keys = base + off * head_dim + np.arange(head_dim)
+    scale = base + page_size * head_dim + off * 4 + np.arange(4)
+    return np.concatenate([keys, scale])
+
+
+def _token_rows(attr, buf, slots, page_size) -> np.ndarray:
+    """Per-token entries `(T, *row)` of one buffer at `slots`."""
+    slots = np.asarray(slots)
+    if attr != INDEX_ATTR:
+        return buf[slots]
+    flat = buf.reshape(-1)
+    return np.stack([flat[_index_positions(s, page_size, INDEX_HEAD_DIM)] for s in slots])
+
+
+def _model_load(before, src, src_slots, dst_slots, page_size):
+    """What `dst` must hold after rows `src_slots` of `src` were loaded into `dst_slots`."""
+    out = {}
+    for attr, layers in before.items():
+        out[attr] = []
+        for li, buf in enumerate(layers):
+            new = buf.copy()
+            rows = _token_rows(attr, src[attr][li], src_slots, page_size)
+            if attr == INDEX_ATTR:
+                flat = new.reshape(-1)
+                for s, row in zip(dst_slots, rows, strict=True):
+                    flat[_index_positions(s, page_size, INDEX_HEAD_DIM)] = row
+            else:
+                new[np.asarray(dst_slots)] = rows
+            out[attr].append(new)
+    return out
+
+
+def _assert_raw_equal(got, want):
+    assert got.keys() == want.keys()
+    for attr in want:
+        for li, (g, w) in enumerate(zip(got[attr], want[attr], strict=True)):
+            np.testing.assert_array_equal(g, w, err_msg=f"{attr}[{li}]")
+
+
+def _slots(rng, *, size, page_size, n):
+    """`n` slots as an allocator hands them out: scattered single slots for token pools,
+    whole pages in a shuffled order for paged pools (never page 0)."""
+    pages = rng.permutation(np.arange(1, size // page_size + 1))[: -(-n // page_size)]
+    return np.concatenate([p * page_size + np.arange(page_size) for p in pages])[:n]
+
+
+def _record_path(root, key: str) -> str:
+    """Where a DiskStore keeps the record of `key`."""
+    return os.path.join(root, key[:2], key + ".kvb")
+
+
+# --------------------------------------------------------------------------------------------
+# SGLang-shaped pools: plain objects holding lists of per-layer arrays
+
+
+class SGLangMHAPool:
+    def __init__(self, k_buffer, v_buffer, page_size):
+        self.k_buffer, self.v_buffer, self.page_size = k_buffer, v_buffer, page_size
+
+
+class SGLangKOnlyPool:
+    def __init__(self, k_buffer, page_size):
+        self.k_buffer, self.page_size = k_buffer, page_size
+
+
+class SGLangMLAPool:
+    def __init__(self, kv_buffer, page_size):
+        self.kv_buffer, self.page_size = kv_buffer, page_size
+
+
+class SGLangNSAPool:
+    def __init__(self, kv_buffer, index_k_with_scale_buffer, page_size):
+        self.kv_buffer, self.index_k_with_scale_buffer = kv_buffer, index_k_with_scale_buffer
+        self.page_size = page_size
+
+
+class NotAPool:
+    def __init__(self):
+        self.key_cache = [np.zeros((8, 2, 4), np.float32)]
+
+
+_FOREIGN = {
+    "mha": SGLangMHAPool,
+    "k_only": SGLangKOnlyPool,
+    "mla": SGLangMLAPool,
+    "nsa": SGLangNSAPool,
+}
+
+
+def _foreign(kind, raw, dtype, page_size, backend):
+    """An SGLang-shaped object holding `raw` bits as per-layer `backend` arrays of `dtype`
+    (the indexer buffer stays uint8, as in SGLang)."""
+
+    def layers(attr):
+        out = []
+        for bits in raw[attr]:
+            host = bits.copy() if attr == INDEX_ATTR else bits.copy().view(dtype)
+            out.append(host if backend == "numpy" else jnp.asarray(host))
+        return out
+
+    return _FOREIGN[kind](*[layers(a) for a in raw], page_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips
+
+
+def _roundtrip(src, dst, conn, *, rng, size, page_size, n_tokens):
+    """Stores `n_tokens` (full blocks plus a partial tail) of `src` and loads them into other
+    slots of `dst`; checks every layer and part of `dst` against the numpy model."""
+    bs = conn.block_size
+    tokens = rng.integers(0, 50_000, n_tokens)
+    src_slots = _slots(rng, size=size, page_size=page_size, n=n_tokens)
+    dst_slots = _slots(rng, size=size, page_size=page_size, n=n_tokens)
+    full = n_tokens // bs * bs
+    assert conn.store(src, tokens, src_slots) == n_tokens // bs
+    assert conn.lookup(tokens) == full
+    src_raw, before = _raw(src), _raw(dst)
+    dst, n = conn.load(dst, tokens, dst_slots)
+    assert n == full
+    want = _model_load(before, src_raw, src_slots[:n], dst_slots[:n], page_size)
+    _assert_raw_equal(_raw(dst), want)
+    return dst
+
+
+@pytest.mark.parametrize("page_size,block_size,start_layer", CONFIGS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_roundtrip_jaxkv_pools_token_and_paged(kind, page_size, block_size, start_layer):
+    rng = np.random.default_rng(0)
+    bs = block_size or (page_size if page_size > 1 else 16)
+    size = max(64, 8 * bs)
+
+    def make():
+        return _make_pool(kind, size=size, page_size=page_size, start_layer=start_layer)
+
+    src, dst = _fill(make(), rng), _fill(make(), rng)
+    conn = KVConnector(src, HostStore(1 << 24), block_size=block_size)
+    assert conn.block_size == bs
+    dst = _roundtrip(
+        src,
+        dst,
+        conn,
+        rng=rng,
+        size=size,
+        page_size=page_size,
+        n_tokens=3 * bs + page_size // 2 + 1,
+    )
+    assert type(dst) is type(src)
+
+
+@pytest.mark.parametrize("page_size,block_size", ((1, 16), (4, 8)))
+@pytest.mark.parametrize("kind", KINDS)
+def test_roundtrip_between_contiguous_and_scattered_slots(kind, page_size, block_size):
+    """Blocks that are one run of slots and blocks that are not, in both directions."""
+    rng = np.random.default_rng(12)
+
+    def make():
+        return _make_pool(kind, size=64, page_size=page_size)
+
+    src, dst = _fill(make(), rng), _fill(make(), rng)
+    conn = KVConnector(src, HostStore(1 << 24), block_size=block_size)
+    tokens = rng.integers(0, 50_000, 32)
+    runs = np.arange(17, 49)
+    if page_size == 1:
+        scattered = rng.permutation(np.arange(1, 65))[:32]
+    else:  # pages in descending order: no block of two pages is one run of slots
+        scattered = np.concatenate([p * 4 + np.arange(4) for p in range(16, 8, -1)])
+    assert conn.store(src, tokens, runs) == 32 // block_size
+    for dst_slots in (scattered, runs):
+        before, src_raw = _raw(dst), _raw(src)
+        dst, n = conn.load(dst, tokens, dst_slots)
+        assert n == 32
+        _assert_raw_equal(_raw(dst), _model_load(before, src_raw, runs, dst_slots, page_size))
+    conn2 = KVConnector(src, HostStore(1 << 24), block_size=block_size)
+    assert conn2.store(src, tokens, scattered) == 32 // block_size
+    before = _raw(dst)
+    dst, n = conn2.load(dst, tokens, runs)
+    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, scattered, runs, page_size))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("kind", KINDS)
+def test_roundtrip_jaxkv_pools_every_dtype(kind, dtype):
+    rng = np.random.default_rng(1)
+
+    def make():
+        return _make_pool(kind, size=64, page_size=4, dtype=dtype, start_layer=2)
+
+    src, dst = _fill(make(), rng), _fill(make(), rng)
+    conn = KVConnector(src, HostStore(1 << 24), block_size=8)
+    _roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=21)
+
+
+@pytest.mark.parametrize("backend", ("numpy", "jax"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("kind", KINDS)
+def test_roundtrip_sglang_shaped_objects(kind, dtype, backend):
+    rng = np.random.default_rng(2)
+    page_size = 4
+
+    def make():
+        return _raw(_fill(_make_pool(kind, size=64, page_size=page_size, dtype=dtype), rng))
+
+    src = _foreign(kind, make(), dtype, page_size, backend)
+    dst = _foreign(kind, make(), dtype, page_size, backend)
+    conn = KVConnector(src, HostStore(1 << 24))
+    assert conn.block_size == page_size
+    out = _roundtrip(src, dst, conn, rng=rng, size=64, page_size=page_size, n_tokens=14)
+    assert out is dst
+    for attr in _attrs(dst):  # the object keeps its kind of buffers
+        array_type = np.ndarray if backend == "numpy" else jax.Array
+        assert all(isinstance(b, array_type) for b in getattr(dst, attr))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_roundtrip_sglang_shaped_token_pool_defaults_to_16(kind):
+    """An object without `page_size` is a token pool: blocks of 16."""
+    rng = np.random.default_rng(3)
+    src, dst = (
+        _foreign(
+            kind, _raw(_fill(_make_pool(kind, size=64, page_size=1), rng)), jnp.bfloat16, 1, "numpy"
+        )
+        for _ in range(2)
+    )
+    del src.page_size, dst.page_size
+    conn = KVConnector(src, HostStore(1 << 24))
+    assert conn.block_size == 16
+    _roundtrip(src, dst, conn, rng=rng, size=64, page_size=1, n_tokens=40)
+
+
+def test_jaxkv_and_disk_roundtrip_nsa_index_bytes_with_scales(tmp_path):
+    """NSA through a DiskStore: kv rows and each token's fp8 index keys and float32 scale."""
+    rng = np.random.default_rng(4)
+
+    def make():
+        return _make_pool("nsa", size=64, page_size=16, dtype=jnp.float8_e4m3fn)
+
+    src, dst = _fill(make(), rng), _fill(make(), rng)
+    conn = KVConnector(src, DiskStore(tmp_path))
+    tokens = rng.integers(0, 1000, 32)
+    src_slots, dst_slots = np.arange(16, 48), np.arange(48, 80)
+    assert conn.store(src, tokens, src_slots) == 2
+    before, src_raw = _raw(dst), _raw(src)
+    dst, n = conn.load(dst, tokens, dst_slots)
+    assert n == 32
+    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots, dst_slots, 16))
+    # The dequantised keys read back through the pool API agree as well.
+    for layer in range(2):
+        np.testing.assert_array_equal(
+            np.asarray(dst.get_index_k(layer, dst_slots)),
+            np.asarray(src.get_index_k(layer, src_slots)),
+        )
+
+
+@pytest.mark.parametrize("backend", ("numpy", "jax"))
+def test_k_only_pools_export_and_reload(backend):
+    """The seed's FlexKV connector crashed on `k_buffer` without `v_buffer`."""
+    rng = np.random.default_rng(5)
+    pool = _fill(_make_pool("k_only", size=32, page_size=1), rng)
+    assert not hasattr(pool, "v_buffer")
+    conn = KVConnector(pool, HostStore(1 << 20))
+    slots = np.arange(1, 17)
+    exported = conn.export_blocks(pool, slots)
+    assert set(exported) == {"k"}
+    obj = _foreign("k_only", _raw(pool), jnp.bfloat16, 1, backend)
+    obj_conn = KVConnector(obj, HostStore(1 << 20))
+    np.testing.assert_array_equal(obj_conn.export_blocks(obj, slots)["k"], exported["k"])
+    tokens = np.arange(16)
+    assert obj_conn.store(obj, tokens, slots) == 1
+    fresh = _make_pool("k_only", size=32, page_size=1)
+    fresh_obj = _foreign("k_only", _raw(fresh), jnp.bfloat16, 1, backend)
+    fresh_obj, n = obj_conn.load(fresh_obj, tokens, slots[::-1])
+    assert n == 16
+    np.testing.assert_array_equal(
+        np.asarray(fresh_obj.k_buffer[1]).view(np.uint16)[slots[::-1]],
+        np.asarray(pool.k_buffer[1])[slots],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Construction
+
+
+def test_unsupported_object_raises_attribute_error_naming_the_layouts():
+    with pytest.raises(jaxkv.UnsupportedKVCacheError) as info:
+        KVConnector(NotAPool(), HostStore(1 << 20))
+    err = info.value
+    assert isinstance(err, AttributeError)
+    msg = str(err)
+    assert msg.startswith("Unsupported KV cache type NotAPool:")
+    assert "kv_buffer" in msg and "k_buffer/v_buffer" in msg
+    assert jaxkv.connector.UnsupportedKVCacheError is jaxkv.UnsupportedKVCacheError
+    with pytest.raises(AttributeError, match=r"^Unsupported KV cache type object:"):
+        KVConnector(object(), HostStore(1 << 20))
+
+
+@pytest.mark.parametrize("page_size,want", ((1, 16), (4, 4), (16, 16), (32, 32)))
+def test_block_size_defaults_to_page_size_above_one_else_16(page_size, want):
+    pool = _make_pool("mha", size=64, page_size=page_size)
+    assert KVConnector(pool, HostStore(1 << 20)).block_size == want
+
+
+@pytest.mark.parametrize(
+    "page_size,block_size", ((4, 6), (4, 2), (16, 8), (1, 0), (4, 0), (4, -4), (1, -16))
+)
+def test_block_size_must_be_a_positive_multiple_of_the_page_size(page_size, block_size):
+    pool = _make_pool("mha", size=64, page_size=page_size)
+    with pytest.raises(ValueError, match="block_size"):
+        KVConnector(pool, HostStore(1 << 20), block_size=block_size)
+
+
+@pytest.mark.parametrize("page_size,block_size", ((1, 1), (1, 5), (4, 12), (16, 32)))
+def test_block_size_accepts_positive_multiples(page_size, block_size):
+    pool = _make_pool("mha", size=64, page_size=page_size)
+    assert KVConnector(pool, HostStore(1 << 20), block_size=block_size).block_size == block_size
+
+
+# --------------------------------------------------------------------------------------------
+# export_blocks
+
+
+_ROW_SHAPES = {
+    "mha": {"k": (2, 4), "v": (2, 3)},
+    "k_only": {"k": (2, 4)},
+    "mla": {"kv": (1, 8)},
+    "nsa": {"kv": (1, 8), "index_k": (INDEX_HEAD_DIM + 4,)},
+}
+_EXPORT_ATTR = {"k": "k_buffer", "v": "v_buffer", "kv": "kv_buffer", "index_k": INDEX_ATTR}
+
+
+@pytest.mark.parametrize(
+    "dtype", (jnp.float32, jnp.bfloat16, jnp.float8_e5m2), ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_blocks_shapes_dtypes_and_values(kind, dtype):
+    rng = np.random.default_rng(6)
+    pool = _fill(
+        _make_pool(kind, size=64, page_size=4, dtype=dtype, layer_num=3, start_layer=1), rng
+    )
+    conn = KVConnector(pool, HostStore(1 << 20), block_size=8)
+    slots = _slots(rng, size=64, page_size=4, n=24)
+    exported = conn.export_blocks(pool, slots)
+    assert set(exported) == set(_ROW_SHAPES[kind])
+    raw = _raw(pool)
+    for key, arr in exported.items():
+        assert isinstance(arr, np.ndarray)
+        want_dtype = np.uint8 if key == "index_k" else pool.store_dtype
+        chex.assert_shape(arr, (3, 3, 8, *_ROW_SHAPES[kind][key]))
+        assert arr.dtype == want_dtype
+        attr = _EXPORT_ATTR[key]
+        for layer in range(3):
+            rows = _token_rows(attr, raw[attr][layer], slots, 4).reshape(3, 8, *arr.shape[3:])
+            np.testing.assert_array_equal(
+                arr[:, layer].view(rows.dtype), rows, err_msg=f"{key} layer {layer}"
+            )
+
+
+def test_export_blocks_of_zero_blocks():
+    pool = _make_pool("mha", size=32, page_size=1)
+    exported = KVConnector(pool, HostStore(1 << 20)).export_blocks(pool, np.zeros(0, np.int32))
+    chex.assert_shape(exported["k"], (0, 2, 16, 2, 4))
+
+
+@pytest.mark.parametrize("n", (1, 7, 15, 17, 40))
+def test_export_blocks_rejects_partial_blocks(n):
+    pool = _make_pool("mha", size=64, page_size=1)
+    conn = KVConnector(pool, HostStore(1 << 20))
+    with pytest.raises(ValueError, match="block_size"):
+        conn.export_blocks(pool, np.arange(1, n + 1))
+
+
+def test_export_keeps_no_reference_to_live_buffers():
+    """A live DLPack export of a pool buffer would turn the next donated update into a copy
+    (a new pointer); the connector exports a staging array instead, so after an export the
+    update stays in place and the export keeps its old values."""
+    pool = _make_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
+    conn = KVConnector(pool, HostStore(1 << 20))
+    slots = np.arange(1, 17)
+    ones = jnp.ones((16, 2, 4), jnp.bfloat16)
+    pool = pool.set_kv(0, slots, ones, jnp.ones((16, 2, 3), jnp.bfloat16))
+    exported = conn.export_blocks(pool, slots)  # kept alive until the end of the test
+    snapshot = {k: v.copy() for k, v in exported.items()}
+    ptr = pool.k_buffer[0].unsafe_buffer_pointer()
+    pool = pool.set_kv(0, slots, 2 * ones, jnp.full((16, 2, 3), 2, jnp.bfloat16))
+    assert pool.k_buffer[0].unsafe_buffer_pointer() == ptr
+    chex.assert_trees_all_equal(exported, snapshot)
+    assert np.asarray(pool.get_key_buffer(0))[1, 0, 0] == 2
+    # Control: the check above can fail. A live export of the buffer itself forces a copy.
+    live = np.from_dlpack(pool.k_buffer[0])
+    ptr = pool.k_buffer[0].unsafe_buffer_pointer()
+    pool = pool.set_kv(0, slots, 3 * ones, jnp.full((16, 2, 3), 3, jnp.bfloat16))
+    assert pool.k_buffer[0].unsafe_buffer_pointer() != ptr
+    del live
+
+
+# --------------------------------------------------------------------------------------------
+# lookup / store / load
+
+
+@pytest.fixture
+def mha():
+    """A filled token pool, a HostStore connector on it, 4 blocks of token ids and slots."""
+    rng = np.random.default_rng(7)
+    pool = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    store = HostStore(1 << 24)
+    conn = KVConnector(pool, store)
+    tokens = rng.integers(0, 30_000, 64)
+    slots = rng.permutation(np.arange(1, 129))[:64]
+    return pool, store, conn, tokens, slots
+
+
+def test_lookup_counts_whole_leading_blocks(mha):
+    pool, store, conn, tokens, slots = mha
+    assert conn.lookup(tokens) == 0
+    assert conn.store(pool, tokens[:40], slots[:40]) == 2  # the 8-token tail is not stored
+    assert conn.lookup(tokens) == 32
+    assert conn.lookup(tokens[:40]) == 32
+    assert conn.lookup(tokens[:31]) == 16
+    assert conn.lookup(tokens[:15]) == 0
+    assert conn.lookup([]) == 0
+    assert conn.lookup(tokens.tolist()) == 32
+    assert conn.lookup(tokens.astype(np.int32)) == 32
+    changed = tokens.copy()
+    changed[20] += 1
+    assert conn.lookup(changed) == 16
+    changed[0] += 1
+    assert conn.lookup(changed) == 0
+
+
+def test_lookup_stops_at_the_first_gap(tmp_path):
+    rng = np.random.default_rng(8)
+    pool = _fill(_make_pool("mha", size=64, page_size=1), rng)
+    store = DiskStore(tmp_path)
+    conn = KVConnector(pool, store)
+    tokens, slots = rng.integers(0, 9999, 64), np.arange(1, 65)
+    assert conn.store(pool, tokens, slots) == 4
+    os.unlink(_record_path(tmp_path, conn.block_hashes(tokens)[1]))
+    assert conn.lookup(tokens) == 16
+    dst = _make_pool("mha", size=64, page_size=1)
+    before = _raw(dst)
+    dst, n = conn.load(dst, tokens, slots)
+    assert n == 16
+    _assert_raw_equal(_raw(dst), _model_load(before, _raw(pool), slots[:16], slots[:16], 1))
+
+
+def test_lookup_changes_no_data(mha):
+    pool, store, conn, tokens, slots = mha
+    conn.store(pool, tokens, slots)
+    held = {k: v for k, v in store.stats().items() if k in ("blocks", "bytes", "blocks_stored")}
+    raw = _raw(pool)
+    for _ in range(3):
+        assert conn.lookup(tokens) == 64
+        assert conn.lookup(tokens[::-1]) == 0
+    after = store.stats()
+    assert {k: after[k] for k in held} == held
+    _assert_raw_equal(_raw(pool), raw)
+
+
+def test_store_returns_newly_written_blocks_and_skips_present_ones(mha):
+    pool, store, conn, tokens, slots = mha
+    assert conn.store(pool, tokens[:32], slots[:32]) == 2
+    assert conn.store(pool, tokens[:32], slots[:32]) == 0
+    assert store.stats()["blocks_stored"] == 2
+    assert conn.store(pool, tokens[:63], slots[:63]) == 1  # block 2 is new, 3 is partial
+    assert conn.store(pool, tokens, slots) == 1
+    assert conn.store(pool, tokens, slots) == 0
+    st = store.stats()
+    assert st["blocks_stored"] == st["blocks"] == 4
+    assert conn.stats()["blocks_stored"] == 4
+    assert conn.store(pool, tokens[:15], slots[:15]) == 0
+
+
+def test_skipped_blocks_keep_the_first_data_written(mha):
+    """A present block is not overwritten, even from different rows."""
+    pool, store, conn, tokens, slots = mha
+    conn.store(pool, tokens[:16], slots[:16])
+    first = conn.export_blocks(pool, slots[:16])
+    other = slots[16:32]
+    assert conn.store(pool, tokens[:16], other) == 0
+    dst = _make_pool("mha", size=128, page_size=1)
+    dst, n = conn.load(dst, tokens[:16], slots[:16])
+    assert n == 16
+    chex.assert_trees_all_equal(conn.export_blocks(dst, slots[:16]), first)
+
+
+def test_load_returns_the_longest_prefix_and_leaves_other_rows(mha):
+    pool, store, conn, tokens, slots = mha
+    conn.store(pool, tokens[:32], slots[:32])
+    rng = np.random.default_rng(9)
+    dst = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    dst_slots = rng.permutation(np.arange(1, 129))[:64]
+    before = _raw(dst)
+    dst, n = conn.load(dst, tokens, dst_slots)
+    assert n == 32
+    _assert_raw_equal(_raw(dst), _model_load(before, _raw(pool), slots[:32], dst_slots[:32], 1))
+    # Diverging after the first block: only that block is a hit.
+    other = tokens.copy()
+    other[16:] = rng.integers(30_000, 40_000, 48)
+    before = _raw(dst)
+    dst, n = conn.load(dst, other, dst_slots)
+    assert n == 16
+    _assert_raw_equal(_raw(dst), _model_load(before, _raw(pool), slots[:16], dst_slots[:16], 1))
+
+
+def test_load_with_nothing_stored_is_a_no_op(mha):
+    pool, store, conn, tokens, slots = mha
+    dst = _fill(_make_pool("mha", size=128, page_size=1), np.random.default_rng(10))
+    before = _raw(dst)
+    dst, n = conn.load(dst, tokens, slots)
+    assert n == 0
+    _assert_raw_equal(_raw(dst), before)
+
+
+@pytest.mark.parametrize("method", ("store", "load"))
+@pytest.mark.parametrize("n_slots", (63, 65, 0))
+def test_slots_and_token_ids_must_have_equal_length(mha, method, n_slots):
+    pool, store, conn, tokens, slots = mha
+    conn.store(pool, tokens, slots)
+    bad = np.arange(1, n_slots + 1)
+    with pytest.raises(ValueError, match="slots"):
+        getattr(conn, method)(pool, tokens, bad)
+
+
+def test_salt_isolates_tenants(mha):
+    pool, store, conn, tokens, slots = mha
+    assert conn.store(pool, tokens, slots, salt="a") == 4
+    assert conn.lookup(tokens, salt="a") == 64
+    for other in ("b", None, "", b"b"):
+        assert conn.lookup(tokens, salt=other) == 0
+        dst = _make_pool("mha", size=128, page_size=1)
+        assert conn.load(dst, tokens, slots, salt=other)[1] == 0
+    assert conn.store(pool, tokens, slots, salt="b") == 4  # a separate copy for tenant b
+    dst = _make_pool("mha", size=128, page_size=1)
+    assert conn.load(dst, tokens, slots, salt="a")[1] == 64
+
+
+def test_load_rejects_records_of_other_blocks():
+    """A store that does not verify (a HostStore holding a record under another block's key)
+    still never gets its data loaded: the connector checks each record's tokens."""
+    rng = np.random.default_rng(11)
+    pool = _fill(_make_pool("mha", size=64, page_size=1), rng)
+    store = HostStore(1 << 24)
+    conn = KVConnector(pool, store)
+    a, b = rng.integers(0, 999, 32), rng.integers(1000, 1999, 32)
+    conn.store(pool, a, np.arange(1, 33))
+    key_a0 = conn.block_hashes(a)[0]
+    key_b0 = conn.block_hashes(b)[0]
+    record = store.get(key_a0)
+    store.put(dataclasses.replace(record, key=key_b0))
+    assert conn.lookup(b) == 16  # present by key...
+    dst = _make_pool("mha", size=64, page_size=1)
+    before = _raw(dst)
+    dst, n = conn.load(dst, b, np.arange(1, 33))
+    assert n == 0  # ...but never loaded
+    _assert_raw_equal(_raw(dst), before)
+    assert conn.stats()["verification_failures"] == 1
+
+
+def test_load_rejects_a_pool_of_another_layout(mha):
+    pool, store, conn, tokens, slots = mha
+    other = _make_pool("mha", size=128, page_size=1, dtype=jnp.float16)
+    with pytest.raises(ValueError, match="pool"):
+        conn.load(other, tokens, slots)
+    with pytest.raises(ValueError, match="pool"):
+        conn.store(other, tokens, slots)
+
+
+def test_connector_stats(mha):
+    pool, store, conn, tokens, slots = mha
+    conn.store(pool, tokens[:48], slots[:48])
+    conn.lookup(tokens)
+    dst = _make_pool("mha", size=128, page_size=1)
+    dst, n = conn.load(dst, tokens, slots)
+    st = conn.stats()
+    block_bytes = 2 * 16 * 2 * (4 + 3) * 2  # layers * tokens * heads * (k + v dims) * 2 bytes
+    assert st["blocks_stored"] == 3 and st["bytes_stored"] == 3 * block_bytes
+    assert st["blocks_loaded"] == 3 and st["bytes_loaded"] == 3 * block_bytes
+    assert st["lookups"] == 1 and st["hit_blocks"] == 3
+    assert st["verification_failures"] == 0
+    assert st["store"] == store.stats()
+
+
+# --------------------------------------------------------------------------------------------
+# min_block_count
+
+
+def test_min_block_count():
+    assert min_block_count([5, 3, 9]) == 3
+    assert min_block_count([7]) == 7
+    assert min_block_count((0, 4)) == 0
+    assert min_block_count(np.array([8, 6])) == 6
+    assert min_block_count(iter([2, 1])) == 1
+    with pytest.raises(ValueError):
+        min_block_count([])
+    with pytest.raises(ValueError):
+        min_block_count([3, -1])
+
+
+# --------------------------------------------------------------------------------------------
+# The example program
+
+
+def test_example_offload_reload_runs():
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "offload_reload.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bit-exact" in proc.stdout

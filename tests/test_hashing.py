@@ -1,0 +1,183 @@
+"""Block keys: API.md "Connector", `block_hashes` (REFERENCE.md "Block hashing conventions").
+
+Keys are chained over full blocks only, identical across processes, and rooted in the
+namespace, the pool's layout fingerprint and the tenant salt, so that no two of those ever
+share a key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
+from jaxkv.connector import HostStore, KVConnector
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENS = np.random.default_rng(0).integers(0, 100_000, 80)  # 5 blocks of 16
+
+
+def _mha(**kw):
+    args = dict(size=64, page_size=1, dtype=jnp.bfloat16, head_num=2, head_dim=4, layer_num=2)
+    return MHAPool.create(**{**args, **kw})
+
+
+def _conn(pool=None, **kw):
+    return KVConnector(_mha() if pool is None else pool, HostStore(1 << 20), **kw)
+
+
+def test_one_hex_key_per_full_block():
+    conn = _conn()
+    keys = conn.block_hashes(TOKENS)
+    assert len(keys) == 5
+    for key in keys:
+        assert isinstance(key, str) and len(key) == 64
+        int(key, 16)
+        assert key == key.lower()
+    assert len(set(keys)) == 5
+    assert conn.block_hashes([]) == []
+    assert conn.block_hashes(TOKENS[:15]) == []
+
+
+@pytest.mark.parametrize("tail", (1, 7, 15))
+def test_partial_tail_is_never_hashed(tail):
+    conn = _conn()
+    assert conn.block_hashes(TOKENS[: 32 + tail]) == conn.block_hashes(TOKENS[:32])
+
+
+def test_token_id_containers_agree():
+    conn = _conn()
+    want = conn.block_hashes(TOKENS)
+    for ids in (
+        TOKENS.tolist(),
+        TOKENS.astype(np.int32),
+        TOKENS.astype(np.uint32),
+        tuple(TOKENS.tolist()),
+        jnp.asarray(TOKENS, jnp.int32),
+    ):
+        assert conn.block_hashes(ids) == want
+
+
+def test_keys_are_chained():
+    conn = _conn()
+    base = conn.block_hashes(TOKENS)
+    early = TOKENS.copy()
+    early[3] += 1  # inside block 0: every key changes
+    changed = conn.block_hashes(early)
+    assert all(a != b for a, b in zip(base, changed, strict=True))
+    late = TOKENS.copy()
+    late[2 * 16 + 5] += 1  # inside block 2: blocks 0-1 keep their keys
+    changed = conn.block_hashes(late)
+    assert changed[:2] == base[:2]
+    assert all(a != b for a, b in zip(base[2:], changed[2:], strict=True))
+    # Same block contents at another position are another key (the prefix differs).
+    shifted = np.concatenate([TOKENS[16:32], TOKENS[16:32]])
+    assert conn.block_hashes(shifted)[1] != conn.block_hashes(TOKENS)[1]
+    assert len(set(conn.block_hashes(shifted))) == 2
+
+
+_SUBPROCESS = """
+import json, sys
+import jax.numpy as jnp, numpy as np
+from jaxkv import MHAPool, NSAPool
+from jaxkv.connector import HostStore, KVConnector
+tokens = json.loads(sys.argv[1])
+mha = MHAPool.create(size=64, page_size=1, dtype=jnp.bfloat16, head_num=2, head_dim=4, layer_num=2)
+nsa = NSAPool.create(size=64, page_size=16, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=2,
+                     index_head_dim=8, start_layer=3)
+out = [KVConnector(mha, HostStore(1 << 20)).block_hashes(tokens),
+       KVConnector(mha, HostStore(1 << 20), namespace="m").block_hashes(tokens, salt="t"),
+       KVConnector(nsa, HostStore(1 << 20)).block_hashes(tokens)]
+print(json.dumps(out))
+"""
+
+
+def test_keys_are_stable_across_processes():
+    nsa = NSAPool.create(
+        size=64,
+        page_size=16,
+        kv_lora_rank=6,
+        qk_rope_head_dim=2,
+        layer_num=2,
+        index_head_dim=8,
+        start_layer=3,
+    )
+    want = [
+        _conn().block_hashes(TOKENS),
+        _conn(namespace="m").block_hashes(TOKENS, salt="t"),
+        _conn(nsa).block_hashes(TOKENS),
+    ]
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONHASHSEED": "12345",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _SUBPROCESS, json.dumps(TOKENS.tolist())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == want
+
+
+def _all_disjoint(variants: dict[str, list[str]]) -> None:
+    for (na, a), (nb, b) in itertools.combinations(variants.items(), 2):
+        assert not set(a) & set(b), f"{na} and {nb} share a key"
+
+
+def test_namespace_and_salt_separate_keys():
+    conn = _conn()
+    _all_disjoint(
+        {
+            "default": conn.block_hashes(TOKENS),
+            "salt=''": conn.block_hashes(TOKENS, salt=""),
+            "salt='a'": conn.block_hashes(TOKENS, salt="a"),
+            "salt='b'": conn.block_hashes(TOKENS, salt="b"),
+            "namespace='other'": _conn(namespace="other").block_hashes(TOKENS),
+            "namespace='other', salt='a'": _conn(namespace="other").block_hashes(TOKENS, salt="a"),
+        }
+    )
+    assert conn.block_hashes(TOKENS, salt=None) == conn.block_hashes(TOKENS)
+    assert conn.block_hashes(TOKENS, salt="a") == conn.block_hashes(TOKENS, salt="a")
+
+
+def test_layout_separates_keys():
+    latent = dict(size=64, page_size=16, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=2)
+    variants = {
+        "base": _conn(),
+        "float16": _conn(_mha(dtype=jnp.float16)),
+        "float32": _conn(_mha(dtype=jnp.float32)),
+        "float8_e4m3fn": _conn(_mha(dtype=jnp.float8_e4m3fn)),
+        "float8_e5m2": _conn(_mha(dtype=jnp.float8_e5m2)),
+        "head_num": _conn(_mha(head_num=4)),
+        "head_dim": _conn(_mha(head_dim=8)),
+        "v_head_dim": _conn(_mha(v_head_dim=2)),
+        "layer_num": _conn(_mha(layer_num=3)),
+        "start_layer": _conn(_mha(start_layer=2)),
+        "block_size": _conn(block_size=8),
+        "shard": _conn(shard="tp0of2"),
+        "k_only": _conn(KOnlyPool.create(size=64, head_num=2, head_dim=4, layer_num=2)),
+        "mla": _conn(MLAPool.create(**latent)),
+        "nsa": _conn(NSAPool.create(index_head_dim=8, **latent)),
+        "nsa index_head_dim": _conn(NSAPool.create(index_head_dim=16, **latent)),
+    }
+    _all_disjoint({name: c.block_hashes(TOKENS) for name, c in variants.items()})
+
+
+def test_pool_size_does_not_change_keys():
+    """Same model and layout with a bigger or smaller pool (a restart with another memory
+    budget) must find the blocks stored before."""
+    assert _conn(_mha(size=64)).block_hashes(TOKENS) == _conn(_mha(size=512)).block_hashes(TOKENS)

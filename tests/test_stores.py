@@ -1,0 +1,532 @@
+"""Store tests: API.md "Connector" (stores) and "Connector additions" (`stats`).
+
+`HostStore`: least-recently-used eviction by bytes, records isolated from their callers,
+thread safety. `DiskStore`: persistence across instances and processes, atomic writes, eviction,
+and verification: no damaged, truncated or misplaced record file is ever loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxkv.connector.disk as disk_module
+from jaxkv import MHAPool
+from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector
+
+REPO = Path(__file__).resolve().parents[1]
+BS = 16
+
+# --------------------------------------------------------------------------------------------
+# Helpers: a small float32 MHA pool (1 layer, 1 head of 2 dims: 256-byte blocks)
+
+
+def _pool(seed: int = 0, *, size: int = 64, layer_num: int = 1) -> MHAPool:
+    """A float32 pool whose every row holds distinct random values (row 0 too)."""
+    pool = MHAPool.create(size=size, dtype=np.float32, head_num=1, head_dim=2, layer_num=layer_num)
+    rng = np.random.default_rng(seed)
+    loc = np.arange(pool.size + pool.page_size)
+    for layer in range(layer_num):
+        k, v = (rng.standard_normal((loc.size, 1, 2)).astype(np.float32) for _ in range(2))
+        pool = pool.set_kv(layer, loc, k, v)
+    return pool
+
+
+def _rows(pool, slots) -> dict[str, np.ndarray]:
+    """K and V rows of every layer at `slots`, raw."""
+    return {
+        name: np.stack([np.array(b)[np.asarray(slots)] for b in getattr(pool, name)])
+        for name in ("k_buffer", "v_buffer")
+    }
+
+
+def _assert_rows(pool, slots, want):
+    got = _rows(pool, slots)
+    for name in want:
+        np.testing.assert_array_equal(got[name].view(np.uint32), want[name].view(np.uint32))
+
+
+def _seq(i: int, blocks: int = 1) -> np.ndarray:
+    """Token ids of test sequence `i` (distinct sequences never share a first block)."""
+    return np.arange(blocks * BS) + 1000 * i
+
+
+def _files(root) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
+    )
+
+
+def _record_path(root, key: str) -> str:
+    return os.path.join(root, key[:2], key + ".kvb")
+
+
+# --------------------------------------------------------------------------------------------
+# HostStore
+
+
+def _record(key: str, value: float, n: int = 4) -> BlockRecord:
+    return BlockRecord(
+        key=key, layout="L", tokens="T", parts={"k": np.full((1, n), value, np.float32)}
+    )
+
+
+def test_host_store_capacity_must_be_positive():
+    for bad in (0, -1, 1.5, True, None):
+        with pytest.raises(ValueError, match="capacity_bytes"):
+            HostStore(bad)
+
+
+def test_host_store_evicts_least_recently_used_by_bytes():
+    pool = _pool()
+    slots = np.arange(1, BS + 1)
+    probe = HostStore(1 << 20)
+    KVConnector(pool, probe).store(pool, _seq(0), slots)
+    block = probe.stats()["bytes"]
+    assert block == 2 * BS * 2 * 4  # K and V, 16 tokens, 2 float32 each
+
+    store = HostStore(3 * block + block // 2)  # room for 3 blocks
+    conn = KVConnector(pool, store)
+    a, b, c, d, e = (_seq(i) for i in range(5))
+    for seq in (a, b, c):
+        assert conn.store(pool, seq, slots) == 1
+    assert store.stats()["evictions"] == 0
+    assert conn.lookup(a) == BS  # order now b, c, a
+    assert conn.store(pool, d, slots) == 1  # evicts b
+    st = store.stats()
+    assert st["evictions"] == 1 and st["blocks"] == 3 and st["bytes"] == 3 * block
+    fresh = _pool(1)
+    fresh, n = conn.load(fresh, c, slots)  # a get refreshes c: order a, d, c
+    assert n == BS
+    assert conn.store(pool, e, slots) == 1  # evicts a
+    held = {name: conn.lookup(seq) == BS for name, seq in dict(a=a, b=b, c=c, d=d, e=e).items()}
+    assert held == {"a": False, "b": False, "c": True, "d": True, "e": True}
+    st = store.stats()
+    assert st["evictions"] == 2 and st["blocks"] == 3 and st["bytes"] <= store.capacity_bytes
+
+
+def test_host_store_evicts_as_many_blocks_as_a_new_one_needs():
+    store = HostStore(100)
+    for i in range(6):
+        assert store.put(_record(f"{i:064x}", i))  # 16 bytes each
+    # 80 more bytes: 96 + 80 - 100 = 76 must go, which takes the 5 oldest records.
+    assert store.put(BlockRecord("f" * 64, "L", "T", {"k": np.zeros((1, 20), np.float32)}))
+    st = store.stats()
+    assert st["bytes"] == 96 and st["evictions"] == 5 and st["blocks"] == 2
+    assert [store.contains(f"{i:064x}") for i in range(6)] == [False] * 5 + [True]
+    assert store.contains("f" * 64)
+
+
+def test_host_store_rejects_a_record_larger_than_its_capacity():
+    store = HostStore(15)
+    assert not store.put(_record("a" * 64, 1.0))
+    assert store.stats()["rejected"] == 1 and len(store) == 0
+
+
+def test_host_store_records_are_isolated_and_read_only():
+    store = HostStore(1 << 10)
+    record = _record("a" * 64, 1.0)
+    assert store.put(record)
+    assert not store.put(_record("a" * 64, 2.0))  # already held: not replaced
+    record.parts["k"][...] = 7.0  # the caller's arrays are not the store's
+    got = store.get("a" * 64)
+    np.testing.assert_array_equal(got.parts["k"], np.ones((1, 4), np.float32))
+    assert not got.parts["k"].flags.writeable
+    with pytest.raises(ValueError):
+        got.parts["k"][0, 0] = 3.0
+
+
+def test_host_store_keeps_a_returned_record_intact_after_eviction():
+    store = HostStore(32)
+    assert store.put(_record("a" * 64, 1.0))
+    held = store.get("a" * 64)
+    view = held.parts["k"][0]
+    for i in range(4):  # evicts "a" and recycles memory of evicted records
+        store.put(_record(f"{i + 1:064x}", 10.0 + i))
+    assert not store.contains("a" * 64)
+    np.testing.assert_array_equal(held.parts["k"], np.ones((1, 4), np.float32))
+    np.testing.assert_array_equal(view, np.ones(4, np.float32))
+    for i in (2, 3):  # records placed in recycled memory hold their own values
+        np.testing.assert_array_equal(
+            store.get(f"{i + 1:064x}").parts["k"], np.full((1, 4), 10.0 + i, np.float32)
+        )
+
+
+def test_host_store_stats_counters():
+    store = HostStore(64)
+    assert store.get("0" * 64) is None
+    assert store.put(_record("a" * 64, 1.0)) and store.put(_record("b" * 64, 2.0))
+    assert not store.put(_record("a" * 64, 1.0))
+    assert store.get("a" * 64) is not None
+    assert store.contains("b" * 64) and not store.contains("c" * 64)
+    for i in range(3):
+        store.put(_record(f"{i + 1:064x}", 3.0))
+    st = store.stats()
+    want = {
+        "hits": 1,
+        "misses": 1,
+        "blocks_stored": 5,
+        "bytes_stored": 80,
+        "blocks_loaded": 1,
+        "bytes_loaded": 16,
+        "verification_failures": 0,
+        "evictions": 1,
+        "io_errors": 0,
+        "rejected": 0,
+        "blocks": 4,
+        "bytes": 64,
+    }
+    assert {k: st[k] for k in want} == want
+
+
+# --------------------------------------------------------------------------------------------
+# Thread safety (both stores, through one connector)
+
+
+@pytest.fixture(params=("host", "disk"))
+def any_store(request, tmp_path):
+    return HostStore(1 << 24) if request.param == "host" else DiskStore(tmp_path / "kv")
+
+
+def test_concurrent_store_and_load_through_one_connector(any_store):
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave the threads as much as possible
+    try:
+        _concurrent_store_and_load(any_store)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _concurrent_store_and_load(store):
+    n_threads, rounds = 4, 3
+    src = _pool(size=128, layer_num=2)
+    conn = KVConnector(src, store)
+    src_slots = np.arange(1, 65)
+    want = _rows(src, src_slots)
+    shared = np.arange(64) + 777_000  # every thread stores and loads this one too
+    start = threading.Barrier(n_threads)
+    written, loaded, errors = [], [], []
+    lock = threading.Lock()
+
+    def worker(t: int):
+        try:
+            rng = np.random.default_rng(t)
+            dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
+            start.wait()
+            for r in range(rounds):
+                own = _seq(10 * t + r, blocks=4)
+                for tokens in (shared, own):
+                    w = conn.store(src, tokens, src_slots)
+                    dst_slots = rng.permutation(np.arange(1, 129))[:64]
+                    dst, n = conn.load(dst, tokens, dst_slots)
+                    assert n == 64
+                    _assert_rows(dst, dst_slots, want)
+                    with lock:
+                        written.append(w)
+                        loaded.append(n // BS)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    distinct = 4 * (1 + n_threads * rounds)
+    st = conn.stats()
+    assert sum(written) == distinct == st["blocks_stored"]
+    assert sum(loaded) == st["blocks_loaded"] == 4 * 2 * n_threads * rounds
+    ss = store.stats()
+    assert ss["blocks"] == ss["blocks_stored"] == distinct
+    assert ss["hits"] == ss["blocks_loaded"] == st["blocks_loaded"]
+    assert ss["verification_failures"] == ss["io_errors"] == ss["evictions"] == 0
+    block_bytes = 2 * BS * (2 + 2) * 4  # layers * tokens * (K + V floats) * 4 bytes
+    assert st["bytes_stored"] == ss["bytes_stored"] == distinct * block_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# DiskStore: persistence, atomic writes, eviction
+
+
+def test_disk_store_capacity_must_be_positive_or_none(tmp_path):
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="capacity_bytes"):
+            DiskStore(tmp_path, capacity_bytes=bad)
+    DiskStore(tmp_path, capacity_bytes=None)
+
+
+def test_disk_store_persists_across_instances(tmp_path):
+    src = _pool(size=128, layer_num=2)
+    slots = np.arange(5, 69)
+    tokens = _seq(3, blocks=4)
+    conn = KVConnector(src, DiskStore(tmp_path))
+    assert conn.store(src, np.concatenate([tokens, [1, 2, 3]]), np.arange(5, 72)) == 4
+    files = _files(tmp_path)
+    assert len(files) == 4 and all(f.endswith(".kvb") for f in files)
+
+    reopened = DiskStore(tmp_path)  # a restart: nothing but the folder
+    assert len(reopened) == 4
+    assert reopened.nbytes == sum(os.path.getsize(tmp_path / f) for f in files)
+    dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
+    conn2 = KVConnector(dst, reopened)
+    assert conn2.lookup(tokens) == 64
+    dst_slots = np.arange(65, 129)
+    dst, n = conn2.load(dst, tokens, dst_slots)
+    assert n == 64
+    _assert_rows(dst, dst_slots, _rows(src, slots))
+    assert conn2.store(src, tokens, slots) == 0  # already on disk
+
+
+_WRITER = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_stores import _pool, _seq
+from jaxkv.connector import DiskStore, KVConnector
+src = _pool(seed=5, size=128, layer_num=2)
+print(KVConnector(src, DiskStore(sys.argv[1])).store(src, _seq(9, blocks=3), np.arange(10, 58)))
+"""
+
+
+def test_disk_store_persists_across_processes(tmp_path):
+    early = DiskStore(tmp_path)  # open before the other process writes
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["3"]
+    src = _pool(seed=5, size=128, layer_num=2)
+    want = _rows(src, np.arange(10, 58))
+    tokens = _seq(9, blocks=3)
+    for store in (early, DiskStore(tmp_path)):
+        dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
+        conn = KVConnector(dst, store)
+        assert conn.lookup(tokens) == 48
+        dst_slots = np.arange(70, 118)
+        dst, n = conn.load(dst, tokens, dst_slots)
+        assert n == 48
+        _assert_rows(dst, dst_slots, want)
+
+
+def test_disk_store_writes_leave_no_temporary_files(tmp_path):
+    src = _pool()
+    conn = KVConnector(src, DiskStore(tmp_path))
+    for i in range(5):
+        conn.store(src, _seq(i, blocks=2), np.arange(1, 33))
+    files = _files(tmp_path)
+    assert len(files) == 10
+    assert all(f.endswith(".kvb") and ".tmp" not in f for f in files)
+
+
+def test_disk_store_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    src = _pool()
+    store = DiskStore(tmp_path)
+    conn = KVConnector(src, store)
+
+    def failing_replace(a, b):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(disk_module.os, "replace", failing_replace)
+    assert conn.store(src, _seq(0), np.arange(1, 17)) == 0
+    monkeypatch.undo()
+    assert _files(tmp_path) == []
+    assert store.stats()["io_errors"] == 1 and len(store) == 0
+    assert conn.lookup(_seq(0)) == 0
+    assert conn.store(src, _seq(0), np.arange(1, 17)) == 1  # works again once the disk does
+
+
+def test_disk_store_cleans_stale_temporary_files_on_open(tmp_path):
+    src = _pool()
+    conn = KVConnector(src, DiskStore(tmp_path))
+    conn.store(src, _seq(0), np.arange(1, 17))
+    key = conn.block_hashes(_seq(0))[0]
+    final = _record_path(tmp_path, key)
+    stale = [
+        final + ".1234.5678.deadbeef.tmp",  # a writer died before its rename
+        os.path.join(tmp_path, "ab", "f" * 64 + ".kvb.99.1.cafe0000.tmp"),
+    ]
+    os.makedirs(os.path.dirname(stale[1]), exist_ok=True)
+    for path in stale:
+        with open(path, "wb") as f:
+            f.write(b"half a record")
+    store = DiskStore(tmp_path)
+    assert not any(os.path.exists(p) for p in stale)
+    assert os.path.exists(final) and len(store) == 1
+
+
+def test_disk_store_evicts_least_recently_used_past_capacity(tmp_path):
+    src = _pool()
+    slots = np.arange(1, 17)
+    probe = tmp_path / "probe"
+    KVConnector(src, DiskStore(probe)).store(src, _seq(0), slots)
+    file_size = os.path.getsize(probe / _files(probe)[0])
+
+    root = tmp_path / "kv"
+    store = DiskStore(root, capacity_bytes=3 * file_size + file_size // 2)
+    conn = KVConnector(src, store)
+    a, b, c, d, e = (_seq(i) for i in range(5))
+    for seq in (a, b, c):
+        assert conn.store(src, seq, slots) == 1
+    assert conn.lookup(a) == BS  # order b, c, a
+    assert conn.store(src, d, slots) == 1  # evicts b
+    dst = _pool(1)
+    dst, n = conn.load(dst, c, slots)  # order a, d, c
+    assert n == BS
+    assert conn.store(src, e, slots) == 1  # evicts a
+    held = {name: conn.lookup(seq) == BS for name, seq in dict(a=a, b=b, c=c, d=d, e=e).items()}
+    assert held == {"a": False, "b": False, "c": True, "d": True, "e": True}
+    assert len(_files(root)) == 3
+    st = store.stats()
+    assert st["evictions"] == 2 and st["blocks"] == 3 and st["bytes"] <= store.capacity_bytes
+
+
+def test_disk_store_stats_counters(tmp_path):
+    src = _pool()
+    store = DiskStore(tmp_path)
+    conn = KVConnector(src, store)
+    conn.store(src, _seq(0, blocks=2), np.arange(1, 33))
+    dst = _pool(1)
+    dst, n = conn.load(dst, _seq(0, blocks=3), np.arange(1, 49))
+    assert n == 32
+    st = store.stats()
+    want = {
+        "hits": 2,
+        "misses": 1,
+        "blocks_stored": 2,
+        "bytes_stored": 512,
+        "blocks_loaded": 2,
+        "bytes_loaded": 512,
+        "verification_failures": 0,
+        "evictions": 0,
+        "io_errors": 0,
+        "blocks": 2,
+        "bytes": sum(os.path.getsize(tmp_path / f) for f in _files(tmp_path)),
+    }
+    assert {k: st[k] for k in want} == want
+
+
+def test_disk_lookup_changes_no_files(tmp_path):
+    src = _pool()
+    store = DiskStore(tmp_path)
+    conn = KVConnector(src, store)
+    conn.store(src, _seq(0, blocks=3), np.arange(1, 49))
+    snapshot = {f: (tmp_path / f).read_bytes() for f in _files(tmp_path)}
+    for _ in range(2):
+        assert conn.lookup(_seq(0, blocks=3)) == 48
+        assert conn.lookup(_seq(1, blocks=3)) == 0
+    assert {f: (tmp_path / f).read_bytes() for f in _files(tmp_path)} == snapshot
+    assert store.stats()["blocks_stored"] == 3
+
+
+# --------------------------------------------------------------------------------------------
+# DiskStore: corruption is never loaded
+
+
+@pytest.fixture
+def two_blocks(tmp_path):
+    """A DiskStore holding two blocks of one sequence; the second block's file bytes."""
+    src = _pool()
+    store = DiskStore(tmp_path)
+    conn = KVConnector(src, store)
+    tokens, slots = _seq(1, blocks=2), np.arange(1, 33)
+    assert conn.store(src, tokens, slots) == 2
+    path = _record_path(tmp_path, conn.block_hashes(tokens)[1])
+    with open(path, "rb") as f:
+        good = f.read()
+    return conn, store, tokens, _rows(src, slots), path, good
+
+
+def _load_after_tampering(conn, store, tokens, want, path, data, dst):
+    """Writes `data` as the second block's file and loads; asserts the load either returns the
+    original data or stops before that block (removing and counting the bad file)."""
+    with open(path, "wb") as f:
+        f.write(data)
+    failures = store.stats()["verification_failures"]
+    slots = np.arange(33, 65)
+    dst, n = conn.load(dst, tokens, slots)
+    if n == 2 * BS:
+        _assert_rows(dst, slots, want)
+        return dst, False
+    assert n == BS, n
+    _assert_rows(dst, slots[:BS], {k: v[:, :BS] for k, v in want.items()})
+    assert not os.path.exists(path)
+    assert store.stats()["verification_failures"] == failures + 1
+    return dst, True
+
+
+def test_disk_store_every_single_byte_flip_is_caught(two_blocks):
+    conn, store, tokens, want, path, good = two_blocks
+    assert len(good) < 2000  # small enough to try every offset
+    dst = _pool(2)
+    caught = 0
+    for offset in range(len(good)):
+        for mask in (0xFF, 0x01, 0x80):
+            bad = bytearray(good)
+            bad[offset] ^= mask
+            dst, hit = _load_after_tampering(conn, store, tokens, want, path, bytes(bad), dst)
+            caught += hit
+    assert caught == 3 * len(good)  # a CRC catches every single-byte error
+    dst, hit = _load_after_tampering(conn, store, tokens, want, path, good, dst)
+    assert not hit  # the intact file still loads
+
+
+def test_disk_store_truncated_records_are_caught(two_blocks):
+    conn, store, tokens, want, path, good = two_blocks
+    dst = _pool(2)
+    for length in range(len(good)):
+        dst, hit = _load_after_tampering(conn, store, tokens, want, path, good[:length], dst)
+        assert hit
+    extended = good + b"\0"
+    dst, hit = _load_after_tampering(conn, store, tokens, want, path, extended, dst)
+    assert hit
+
+
+def test_disk_store_rejects_a_record_under_another_blocks_name(two_blocks, tmp_path):
+    conn, store, tokens, want, path, good = two_blocks
+    first = _record_path(tmp_path, conn.block_hashes(tokens)[0])
+    with open(first, "rb") as f:
+        first_bytes = f.read()
+    dst = _pool(2)
+    _, hit = _load_after_tampering(conn, store, tokens, want, path, first_bytes, dst)
+    assert hit
+    # Also a whole record of an unrelated sequence, copied over block 0's name.
+    other = _seq(7)
+    src = _pool()
+    conn.store(src, other, np.arange(1, 17))
+    shutil.copyfile(_record_path(tmp_path, conn.block_hashes(other)[0]), first)
+    before = store.stats()["verification_failures"]
+    dst = _pool(3)
+    raw = _rows(dst, np.arange(33, 65))
+    dst, n = conn.load(dst, tokens, np.arange(33, 65))
+    assert n == 0
+    _assert_rows(dst, np.arange(33, 65), raw)
+    assert not os.path.exists(first)
+    assert store.stats()["verification_failures"] == before + 1
+
+
+def test_disk_store_ignores_foreign_files(tmp_path):
+    (tmp_path / "README").write_text("not a block")
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "notes.txt").write_text("nor this")
+    store = DiskStore(tmp_path)
+    assert len(store) == 0
+    assert (tmp_path / "README").exists() and (tmp_path / "ab" / "notes.txt").exists()
