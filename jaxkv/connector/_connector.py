@@ -301,9 +301,9 @@ class KVConnector:
         with contextlib.ExitStack() as stack:
             staging = []
             for p in view.layout.parts:
-                shape = (len(records), self.layout.layer_num, bs, *p.row_shape)
+                shape = (self.layout.layer_num, len(records), bs, *p.row_shape)
                 buf = stack.enter_context(self._staging.borrow(shape, p.bits_dtype))
-                staging.append(np.stack([r.parts[p.key] for r in records], out=buf))
+                staging.append(np.stack([r.parts[p.key] for r in records], axis=1, out=buf))
             new_pool = view.write(slots[:n], staging, bs)
         self._count("blocks_loaded", len(records))
         self._count("bytes_loaded", sum(r.nbytes for r in records))

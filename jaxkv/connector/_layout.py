@@ -106,7 +106,14 @@ class PoolView:
         )
 
     def write(self, slots: np.ndarray, staging: Sequence[np.ndarray], block_size: int):
-        """Writes block-major `staging` (one array per part) at `slots`; returns the pool."""
+        """Writes `staging` at `slots`; returns the pool.
+
+        `staging` holds one layer-major host array per part, `(layer_num, n_blocks, block_size,
+        *row)`: each layer's slice is contiguous, so it reaches the device as its own zero-copy
+        array and the scatter reads it directly (slicing a block-major array inside the jitted
+        call made XLA copy every layer's rows into fresh temporaries first: 12.9 ms instead of
+        6 ms for 32 MiB here).
+        """
         raise NotImplementedError
 
 
@@ -121,7 +128,7 @@ class _JaxkvView(PoolView):
         codecs = tuple(p.codec for p in self.layout.parts)
         starts = block_starts(slots, block_size)
         arrays = self.arrays()
-        staged = tuple(to_device(st, arrays[0][0]) for st in staging)
+        staged = tuple(tuple(to_device(layer, arrays[0][0]) for layer in st) for st in staging)
         new = _scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
         jax.block_until_ready(new)  # the staging memory is reused once this returns
         changes = {p.attr: bufs for p, bufs in zip(self.layout.parts, new)}
@@ -134,11 +141,10 @@ class _ForeignView(PoolView):
 
     def write(self, slots, staging, block_size):
         starts = block_starts(slots, block_size)
-        for part, block_rows in zip(self.layout.parts, staging):
+        for part, st in zip(self.layout.parts, staging):
             layers = getattr(self.pool, part.attr)
-            rows = _token_major(block_rows)
             if all(isinstance(b, jax.Array) for b in layers):
-                staged = to_device(block_rows, layers[0])
+                staged = tuple(to_device(layer, layers[0]) for layer in st)
                 new = _scatter_donated(
                     (tuple(layers),), slots.astype(np.int32), starts, (staged,), (part.codec,)
                 )[0]
@@ -154,7 +160,7 @@ class _ForeignView(PoolView):
                         f"{part.attr}[{li}]: cannot write into a read-only "
                         f"{type(buf).__name__}; pass writable host arrays or jax arrays"
                     )
-                _numpy_write(part.codec, host, slots, rows[li])
+                _numpy_write(part.codec, host, slots, st[li].reshape(-1, *st.shape[3:]))
         return self.pool
 
 
@@ -167,12 +173,6 @@ def _numpy_write(codec, host: np.ndarray, slots: np.ndarray, rows: np.ndarray) -
     flat = host.reshape(-1)
     flat[np.asarray(keys)] = rows[:, : codec.head_dim]
     flat[np.asarray(scales)] = rows[:, codec.head_dim :]
-
-
-def _token_major(block_rows: np.ndarray) -> np.ndarray:
-    """(blocks, layers, block_size, *row) -> (layers, blocks*block_size, *row)."""
-    nb, nl, bs = block_rows.shape[:3]
-    return np.swapaxes(block_rows, 0, 1).reshape(nl, nb * bs, *block_rows.shape[3:])
 
 
 def view_of(pool) -> PoolView:
@@ -329,7 +329,7 @@ def _scatter(arrays, slots, starts, staging, codecs):
     return tuple(
         tuple(
             _dtypes.from_bits(
-                _write_blocks(c, _dtypes.to_bits(b), slots, starts, st[:, li]), b.dtype
+                _write_blocks(c, _dtypes.to_bits(b), slots, starts, st[li]), b.dtype
             )
             for li, b in enumerate(bufs)
         )

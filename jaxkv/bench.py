@@ -1,0 +1,599 @@
+"""`python -m jaxkv bench`: jaxkv against numpy, memcpy and naive JAX, side by side in one run.
+
+Every comparison runs its contenders alternately (one call of each per round) and reports
+medians, so a slow moment of the machine hits all of them alike. Sections: pool updates,
+connector transfers, block hashing, allocators and `store_async`. `--json` writes every figure
+and the targets from the performance issue; `--plot` draws update time against pool size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxkv import KOnlyPool, MHAPool, MLAPool, PagedAllocator, __version__
+from jaxkv.connector import DiskStore, HostStore, KVConnector
+
+HEADS, HEAD_DIM = 8, 128
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+
+def interleaved(cases: dict[str, Callable[[], object]], *, rounds: int, budget_s: float):
+    """Median seconds per case; cases run alternately, `rounds` rounds or until `budget_s`."""
+    for fn in cases.values():  # warm-up: compile, first touch
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    start = time.perf_counter()
+    for r in range(rounds):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
+def _ready(x):
+    jax.block_until_ready(x)
+    return x
+
+
+# ---- pool updates ----------------------------------------------------------------------------
+
+
+def _np_dtype(dtype) -> np.dtype:
+    return {
+        jnp.dtype(jnp.bfloat16): np.dtype(ml_dtypes.bfloat16),
+        jnp.dtype(jnp.float8_e4m3fn): np.dtype(ml_dtypes.float8_e4m3fn),
+    }[jnp.dtype(dtype)]
+
+
+def _update_cases(kind: str, dtype, size: int, t: int, naive: bool, numpy_base: bool, rng):
+    """Contenders writing `t` tokens into one layer of a `size`-token pool."""
+    if kind == "mha":
+        pool = MHAPool.create(
+            size=size, head_num=HEADS, head_dim=HEAD_DIM, layer_num=1, dtype=dtype
+        )
+        rows = [(HEADS, HEAD_DIM), (HEADS, HEAD_DIM)]
+    elif kind == "mla":
+        pool = MLAPool.create(
+            size=size, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=1, dtype=dtype
+        )
+        rows = [(1, 576)]
+    else:
+        pool = KOnlyPool.create(
+            size=size, head_num=HEADS, head_dim=HEAD_DIM, layer_num=1, dtype=dtype
+        )
+        rows = [(HEADS, HEAD_DIM)]
+    loc_np = (rng.permutation(size)[:t] + 1).astype(np.int32)
+    loc = jnp.asarray(loc_np)
+    vals_np = [rng.standard_normal((t, *r)).astype(_np_dtype(dtype)) for r in rows]
+    vals = [jnp.asarray(v) for v in vals_np]
+
+    def put(p, loc, *v):
+        return p.set_kv(0, loc, v[0], v[1]) if kind == "mha" else p.set_k(0, loc, v[0])
+
+    step = jax.jit(put, donate_argnums=0)
+    state = {"pool": pool}  # both jaxkv contenders thread one pool: it is donated each call
+
+    def eager():
+        state["pool"] = _ready(put(state["pool"], loc, *vals))
+
+    def jitted():
+        state["pool"] = _ready(step(state["pool"], loc, *vals))
+
+    # The same step fed raw bits (uint16/uint8, the store dtype): no bitcast pass on XLA:CPU.
+    bits = [jnp.asarray(v.view(pool.store_dtype)) for v in vals_np]
+
+    def jitted_bits():
+        state["pool"] = _ready(step(state["pool"], loc, *bits))
+
+    cases = {"jaxkv eager": eager, "jaxkv jit": jitted, "jaxkv jit raw bits": jitted_bits}
+    if numpy_base:
+        bufs = [np.zeros((size + 1, *r), _np_dtype(dtype)) for r in rows]
+
+        def numpy_set():
+            for b, v in zip(bufs, vals_np):
+                b[loc_np] = v
+
+        cases["numpy in-place"] = numpy_set
+    if naive:
+        naive_bufs = [jnp.zeros((size + 1, *r), dtype) for r in rows]
+        naive_fn = jax.jit(lambda bufs, loc, vals: [b.at[loc].set(v) for b, v in zip(bufs, vals)])
+
+        def naive_set():
+            _ready(naive_fn(naive_bufs, loc, vals))  # no donation: the obvious functional code
+
+        cases["naive JAX"] = naive_set
+    src = [np.ascontiguousarray(v.view(np.uint8)) for v in vals_np]
+    dst = [np.empty_like(s) for s in src]
+
+    def memcpy():
+        for d, s in zip(dst, src):
+            np.copyto(d, s)
+
+    cases["memcpy"] = memcpy
+    return cases, sum(v.nbytes for v in vals_np)
+
+
+def bench_updates(quick: bool) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    configs = []
+    sizes = (1 << 14, 1 << 18, 1 << 20)
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        for size in sizes:
+            for t in (16, 256, 4096):
+                if quick and (
+                    t == 16
+                    or (size == 1 << 20 and t != 256)
+                    or (dtype != jnp.bfloat16 and size != 1 << 18)
+                ):
+                    continue
+                configs.append(("mha", dtype, size, t))
+    for kind in ("mla", "k_only"):
+        for t in (256, 4096):
+            configs.append((kind, jnp.bfloat16, 1 << 16 if quick else 1 << 18, t))
+    for kind, dtype, size, t in configs:
+        big = size >= 1 << 20
+        cases, nbytes = _update_cases(
+            kind, dtype, size, t, naive=kind == "mha", numpy_base=not big, rng=rng
+        )
+        naive = cases.pop("naive JAX", None)
+        rounds = 5 if big else (15 if quick else 40)
+        budget = 4.0 if big else (1.0 if quick else 3.0)
+        med = interleaved(cases, rounds=rounds, budget_s=budget)
+        if naive is not None:
+            # Each naive call allocates and frees a whole copy of the pool; XLA:CPU's release of
+            # that memory slows whatever runs next (jaxkv jit at 256K tokens, T=4096: 4.8 ms
+            # alternating with numpy and memcpy, 53.6 ms alternating with naive JAX), so naive
+            # JAX alternates with memcpy in its own loop.
+            own = interleaved(
+                {"naive JAX": naive, "memcpy": cases["memcpy"]},
+                rounds=3 if big else rounds,
+                budget_s=budget,
+            )
+            med["naive JAX"] = own["naive JAX"]
+        rows.append(
+            {
+                "kind": kind,
+                "dtype": jnp.dtype(dtype).name,
+                "pool_tokens": size,
+                "tokens": t,
+                "bytes": nbytes,
+                **med,
+            }
+        )
+        del cases, naive
+    return rows
+
+
+# ---- connector -------------------------------------------------------------------------------
+
+
+def bench_connector(quick: bool) -> list[dict]:
+    rng = np.random.default_rng(1)
+    rows = []
+    tokens = 1024
+    layer_counts = (8,) if quick else (8, 32)
+    for layers in layer_counts:
+        pool = MHAPool.create(
+            size=4 * tokens, page_size=16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=layers
+        )
+        slots = np.arange(16, 16 + tokens)
+        x = jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), jnp.bfloat16)
+        for layer in range(layers):
+            pool = pool.set_kv(layer, slots, x, x)
+        for block in (16, 64, 256):
+            for store_kind in ("host", "disk"):
+                if quick and store_kind == "disk" and block != 16:
+                    continue
+                rows.append(_connector_row(pool, slots, layers, block, store_kind, quick))
+                pool = rows[-1].pop("_pool")
+    return rows
+
+
+def _connector_row(pool, slots, layers, block, store_kind, quick):
+    tokens = len(slots)
+    nbytes = 2 * tokens * layers * HEADS * HEAD_DIM * 2
+    tmp = tempfile.mkdtemp(prefix="jaxkv-bench-") if store_kind == "disk" else None
+    store = HostStore(2 * nbytes) if tmp is None else DiskStore(tmp, capacity_bytes=2 * nbytes)
+    conn = KVConnector(pool, store, block_size=block)
+    state = {"pool": pool, "round": 0}
+    far = slots + 2 * tokens
+
+    def export():
+        conn.export_blocks(state["pool"], slots)
+
+    def store_fn():
+        state["round"] += 1
+        written = conn.store(state["pool"], np.full(tokens, state["round"]), slots)
+        assert written == tokens // block
+
+    def load():
+        state["pool"], n = conn.load(state["pool"], np.full(tokens, state["round"]), far)
+        assert n == tokens
+
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+
+    def memcpy():
+        np.copyto(dst, src)
+
+    # The first stores write into fresh host memory (a page fault per 4 KiB); a cache in
+    # service is full and evicting, reusing that memory. Time the first fill on its own, then
+    # fill the store to capacity and time the steady state.
+    t0 = time.perf_counter()
+    store_fn()
+    first_fill = time.perf_counter() - t0
+    store_fn()
+    med = interleaved(
+        {"export": export, "store": store_fn, "load": load, "memcpy": memcpy},
+        rounds=5 if quick else 15,
+        budget_s=2.0 if quick else 6.0,
+    )
+    med["store_first_fill"] = first_fill
+    conn.close()
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    gbps = {f"{k}_GBps": nbytes / v / 1e9 for k, v in med.items()}
+    return {
+        "layers": layers,
+        "block_size": block,
+        "blocks": tokens // block,
+        "tier": store_kind,
+        "bytes": nbytes,
+        **med,
+        **gbps,
+        "store_load_vs_2memcpy": (med["store"] + med["load"]) / (2 * med["memcpy"]),
+        "_pool": state["pool"],
+    }
+
+
+# ---- hashing, allocators, async --------------------------------------------------------------
+
+
+def bench_hashing(quick: bool) -> list[dict]:
+    pool = MHAPool.create(size=16, head_num=1, head_dim=8, layer_num=1)
+    tokens = np.random.default_rng(2).integers(0, 150_000, 1 << 16)
+    data = tokens.astype("<u4").tobytes()
+    rows = []
+    for block in (16, 64, 256):
+        conn = KVConnector(pool, HostStore(1 << 20), block_size=block)
+        med = interleaved(
+            {
+                "block_hashes": lambda c=conn: c.block_hashes(tokens),
+                "sha256 one pass": lambda: hashlib.sha256(data).digest(),
+            },
+            rounds=10 if quick else 30,
+            budget_s=1.0 if quick else 3.0,
+        )
+        rows.append(
+            {
+                "block_size": block,
+                "tokens": len(tokens),
+                **med,
+                "tokens_per_s": len(tokens) / med["block_hashes"],
+                "ratio": med["block_hashes"] / med["sha256 one pass"],
+            }
+        )
+    return rows
+
+
+def bench_allocators(quick: bool) -> list[dict]:
+    rng = np.random.default_rng(3)
+    page, n_req = 16, 256
+    alloc = PagedAllocator(1 << 20, page)
+    prefix = rng.integers(1, 2048, n_req)
+    held = alloc.alloc_extend(np.zeros(n_req, int), prefix, np.full(n_req, -1))
+    last = held[np.cumsum(prefix) - 1]
+    seq = prefix + rng.integers(1, 512, n_req)
+    state = alloc.backup_state()
+
+    def extend():
+        alloc.restore_state(state)
+        assert alloc.alloc_extend(prefix, seq, last) is not None
+
+    def decode():
+        alloc.restore_state(state)
+        assert alloc.alloc_decode(prefix + 1, last) is not None
+
+    def restore_only():
+        alloc.restore_state(state)
+
+    med = interleaved(
+        {"alloc_extend": extend, "alloc_decode": decode, "restore": restore_only},
+        rounds=30 if quick else 100,
+        budget_s=1.0 if quick else 3.0,
+    )
+    return [
+        {
+            "requests": n_req,
+            "page_size": page,
+            "extend_tokens": int((seq - prefix).sum()),
+            "alloc_extend": med["alloc_extend"] - med["restore"],
+            "alloc_decode": med["alloc_decode"] - med["restore"],
+        }
+    ]
+
+
+def bench_async(quick: bool) -> dict:
+    rng = np.random.default_rng(4)
+    tokens, layers = 1024, 8
+    pool = MHAPool.create(
+        size=4 * tokens, page_size=16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=layers
+    )
+    slots = np.arange(16, 16 + tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), jnp.bfloat16)
+    for layer in range(layers):
+        pool = pool.set_kv(layer, slots, x, x)
+    nbytes = 2 * tokens * layers * HEADS * HEAD_DIM * 2
+    conn = KVConnector(pool, HostStore(8 * nbytes), block_size=16)
+    state = {"round": 0}
+
+    def snapshot():
+        state["round"] += 1
+        conn._snapshot(pool, np.full(tokens, state["round"]), slots, None)
+
+    def store_async():
+        state["round"] += 1
+        conn.store_async(pool, np.full(tokens, state["round"]), slots)
+        # The write runs in the background; let it finish before the next contender runs.
+
+    def flush():
+        conn.flush()
+
+    med = interleaved(
+        {"snapshot": snapshot, "store_async": store_async, "flush": flush},
+        rounds=10 if quick else 30,
+        budget_s=2.0 if quick else 5.0,
+    )
+    conn.close()
+    return {
+        "bytes": nbytes,
+        "snapshot": med["snapshot"],
+        "store_async": med["store_async"],
+        "ratio": med["store_async"] / med["snapshot"],
+    }
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def _targets(res: dict) -> list[dict]:
+    out = []
+
+    def target(name, value, limit):
+        out.append(
+            {
+                "target": name,
+                "value": value,
+                "limit": limit,
+                "ok": value is not None and value <= limit,
+            }
+        )
+
+    upd = [r for r in res["updates"] if r["kind"] == "mha" and r["dtype"] == "bfloat16"]
+    by = {(r["pool_tokens"], r["tokens"]): r for r in upd}
+    small, big = by.get((1 << 14, 256)), by.get((1 << 20, 256))
+    for mode in ("jaxkv jit", "jaxkv eager"):
+        value = big[mode] / small[mode] if small and big else None
+        target(f"{mode}: time(1M pool) / time(16K pool), T=256", value, 1.3)
+    for t in (256, 4096):
+        r = by.get((1 << 18, t))
+        target(
+            f"jaxkv jit / numpy in-place, T={t}",
+            r["jaxkv jit"] / r["numpy in-place"] if r else None,
+            1.5,
+        )
+    r = by.get((1 << 18, 256))
+    target("jaxkv eager / jaxkv jit, T=256", r["jaxkv eager"] / r["jaxkv jit"] if r else None, 3.0)
+    conn = [
+        c
+        for c in res["connector"]
+        if c["layers"] == 8 and c["block_size"] == 16 and c["tier"] == "host"
+    ]
+    target(
+        "connector (store+load) / (2 memcpy), 64x16 tokens, 8 layers, host",
+        conn[0]["store_load_vs_2memcpy"] if conn else None,
+        2.5,
+    )
+    hashes = {h["block_size"]: h["ratio"] for h in res["hashing"]}
+    target("block_hashes / one SHA-256 pass, block 16", hashes.get(16), 20.0)
+    target("block_hashes / one SHA-256 pass, block 256", hashes.get(256), 3.0)
+    target("store_async / snapshot alone", res["async"]["ratio"], 1.5)
+    return out
+
+
+def _print_table(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
+    print(f"\n{title}")
+    head = "  ".join(f"{label:>{len(label) if len(label) > 9 else 9}}" for _, label, _ in cols)
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        cells = []
+        for key, label, fmt in cols:
+            width = len(label) if len(label) > 9 else 9
+            v = r.get(key)
+            cells.append(f"{'-' if v is None else format(v, fmt):>{width}}")
+        print("  ".join(cells))
+
+
+def _report(res: dict) -> None:
+    us = lambda k, lab: (k, lab, ".0f")  # noqa: E731
+    upd = [
+        {
+            **r,
+            **{
+                k: r[k] * 1e6
+                for k in r
+                if k
+                in (
+                    "jaxkv eager",
+                    "jaxkv jit",
+                    "jaxkv jit raw bits",
+                    "numpy in-place",
+                    "naive JAX",
+                    "memcpy",
+                )
+            },
+        }
+        for r in res["updates"]
+    ]
+    for r in upd:
+        r["jit/numpy"] = r["jaxkv jit"] / r["numpy in-place"] if "numpy in-place" in r else None
+        r["naive/jit"] = r["naive JAX"] / r["jaxkv jit"] if "naive JAX" in r else None
+        r["jit/memcpy"] = r["jaxkv jit"] / r["memcpy"]
+    _print_table(
+        "updates (median us per call; one layer, K and V for MHA)",
+        upd,
+        [
+            ("kind", "kind", ""),
+            ("dtype", "dtype", ""),
+            ("pool_tokens", "pool tokens", "d"),
+            ("tokens", "T", "d"),
+            us("jaxkv eager", "eager"),
+            us("jaxkv jit", "jit"),
+            us("jaxkv jit raw bits", "jit bits"),
+            us("numpy in-place", "numpy"),
+            us("naive JAX", "naive JAX"),
+            us("memcpy", "memcpy"),
+            ("jit/numpy", "jit/numpy", ".2f"),
+            ("jit/memcpy", "jit/memcpy", ".2f"),
+            ("naive/jit", "naive/jit", ".1f"),
+        ],
+    )
+    _print_table(
+        "connector (GB/s; 1024 tokens per call, MHA 8x128 bf16, K and V)",
+        res["connector"],
+        [
+            ("layers", "layers", "d"),
+            ("block_size", "block", "d"),
+            ("tier", "tier", ""),
+            ("bytes", "bytes", "d"),
+            ("export_GBps", "export", ".2f"),
+            ("store_GBps", "store", ".2f"),
+            ("store_first_fill_GBps", "first fill", ".2f"),
+            ("load_GBps", "load", ".2f"),
+            ("memcpy_GBps", "memcpy", ".2f"),
+            ("store_load_vs_2memcpy", "(st+ld)/2memcpy", ".2f"),
+        ],
+    )
+    _print_table(
+        "hashing (64K tokens)",
+        res["hashing"],
+        [
+            ("block_size", "block", "d"),
+            ("tokens_per_s", "tokens/s", ".3g"),
+            ("ratio", "vs one sha256 pass", ".1f"),
+        ],
+    )
+    alloc = [
+        {**r, "alloc_extend": r["alloc_extend"] * 1e6, "alloc_decode": r["alloc_decode"] * 1e6}
+        for r in res["allocators"]
+    ]
+    _print_table(
+        "allocators (us per call)",
+        alloc,
+        [
+            ("requests", "requests", "d"),
+            ("extend_tokens", "extend tokens", "d"),
+            ("alloc_extend", "alloc_extend", ".0f"),
+            ("alloc_decode", "alloc_decode", ".0f"),
+        ],
+    )
+    a = res["async"]
+    print(
+        f"\nstore_async: returns in {a['store_async'] * 1e3:.2f} ms; snapshot alone "
+        f"{a['snapshot'] * 1e3:.2f} ms; ratio {a['ratio']:.2f}"
+    )
+    print("\ntargets")
+    for t in res["targets"]:
+        v = "-" if t["value"] is None else f"{t['value']:.2f}"
+        print(f"  [{'ok' if t['ok'] else 'MISS'}] {t['target']}: {v} (limit {t['limit']})")
+
+
+def _plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = [
+        r
+        for r in res["updates"]
+        if r["kind"] == "mha" and r["dtype"] == "bfloat16" and r["tokens"] == 256
+    ]
+    rows.sort(key=lambda r: r["pool_tokens"])
+    x = [r["pool_tokens"] for r in rows]
+    for key, style in (("jaxkv jit", "o-"), ("jaxkv eager", "s-"), ("naive JAX", "x--")):
+        ax.plot(x, [r[key] * 1e6 for r in rows], style, label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("pool size (tokens)")
+    ax.set_ylabel("update time, 256 tokens (us)")
+    ax.set_title("set_kv: MHA 8x128 bf16, one layer")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def machine() -> dict:
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "jax": jax.__version__,
+        "numpy": np.__version__,
+        "jaxkv": __version__,
+        "devices": [str(d) for d in jax.devices()],
+    }
+
+
+def run(quick: bool = False, json_path: str | None = None, plot_path: str | None = None) -> int:
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'jaxkv[bench]'", file=sys.stderr)
+            return 2
+    info = machine()
+    print("jaxkv bench" + (" --quick" if quick else ""))
+    print("  " + ", ".join(f"{k} {v}" for k, v in info.items()))
+    start = time.perf_counter()
+    res: dict = {"machine": info, "quick": quick}
+    res["updates"] = bench_updates(quick)
+    res["connector"] = bench_connector(quick)
+    res["hashing"] = bench_hashing(quick)
+    res["allocators"] = bench_allocators(quick)
+    res["async"] = bench_async(quick)
+    res["targets"] = _targets(res)
+    res["seconds"] = time.perf_counter() - start
+    _report(res)
+    print(f"\n{res['seconds']:.0f} s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {json_path}")
+    if plot_path:
+        _plot(res, plot_path)
+        print(f"wrote {plot_path}")
+    return 0

@@ -1,0 +1,92 @@
+"""The command line and the README: what a newcomer runs must work as written."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, timeout):
+    return subprocess.run(
+        [sys.executable, "-m", "jaxkv", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_demo_runs_and_verifies_every_pool():
+    proc = _run("demo", timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("MHA", "MLA", "K-only"):
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(name))
+        assert line.endswith("bit-exact, in place"), line
+
+
+def test_bench_quick_writes_well_formed_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run("bench", "--quick", "--json", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {"machine", "updates", "connector", "hashing", "allocators", "async", "targets"} <= set(
+        res
+    )
+    contenders = {"jaxkv eager", "jaxkv jit", "memcpy"}
+    for row in res["updates"]:
+        assert contenders <= set(row) and all(row[c] > 0 for c in contenders)
+    assert any("naive JAX" in r and "numpy in-place" in r for r in res["updates"])
+    for row in res["connector"]:
+        assert all(row[k] > 0 for k in ("export_GBps", "store_GBps", "load_GBps", "memcpy_GBps"))
+    assert len(res["targets"]) == 9
+    for target in res["targets"]:
+        assert isinstance(target["value"], float) and target["value"] > 0, target
+        assert target["ok"] == (target["value"] <= target["limit"])
+
+
+def test_bench_plot_without_matplotlib_or_with_it(tmp_path):
+    # --plot needs the optional `bench` extra; without it the command says so and exits 2.
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        proc = _run("bench", "--quick", "--plot", str(tmp_path / "p.png"), timeout=60)
+        assert proc.returncode == 2 and "jaxkv[bench]" in proc.stderr
+    else:
+        from jaxkv import bench
+
+        res = {
+            "updates": [
+                {
+                    "kind": "mha",
+                    "dtype": "bfloat16",
+                    "tokens": 256,
+                    "pool_tokens": n,
+                    "jaxkv jit": 1e-5,
+                    "jaxkv eager": 2e-5,
+                    "naive JAX": n * 1e-9,
+                }
+                for n in (1 << 14, 1 << 18)
+            ]
+        }
+        bench._plot(res, str(tmp_path / "p.png"))
+        assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_readme_usage_snippet_runs(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code = code.replace("/tmp/jaxkv-cache", str(tmp_path / "cache"))
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["n"] == 32
+
+
+def test_readme_shows_the_two_newcomer_commands():
+    text = (ROOT / "README.md").read_text()
+    assert "pip install -e . && python -m jaxkv demo" in text
+    assert 'pip install -e ".[test]" && python -m pytest' in text
+    assert os.access(ROOT / ".ci" / "run", os.X_OK)
