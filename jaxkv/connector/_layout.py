@@ -328,9 +328,7 @@ def _gather(arrays, slots, starts, codecs, block_size):
 def _scatter(arrays, slots, starts, staging, codecs):
     return tuple(
         tuple(
-            _dtypes.from_bits(
-                _write_blocks(c, _dtypes.to_bits(b), slots, starts, st[li]), b.dtype
-            )
+            _dtypes.from_bits(_write_blocks(c, _dtypes.to_bits(b), slots, starts, st[li]), b.dtype)
             for li, b in enumerate(bufs)
         )
         for bufs, c, st in zip(arrays, codecs, staging)
