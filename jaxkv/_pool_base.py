@@ -120,7 +120,8 @@ class PoolBase:
         return buf
 
     @staticmethod
-    def validate_common(*, size, page_size, layer_num, start_layer, dtype) -> np.dtype:
+    def common_fields(*, size, page_size, layer_num, start_layer, dtype, sharding) -> dict:
+        """Validates the arguments every pool kind takes; returns them as static fields."""
         require_positive(size=size, page_size=page_size, layer_num=layer_num)
         if size % page_size:
             raise ValueError(
@@ -133,7 +134,14 @@ class PoolBase:
             or (start_layer < 0)
         ):
             raise ValueError(f"start_layer: expected an int >= 0, got {start_layer!r}")
-        return _dtypes.canonical_dtype(dtype)
+        return dict(
+            size=int(size),
+            page_size=int(page_size),
+            dtype=_dtypes.canonical_dtype(dtype),
+            layer_num=int(layer_num),
+            start_layer=int(start_layer),
+            sharding=sharding,
+        )
 
     def __repr__(self) -> str:
         fields = [

@@ -101,21 +101,18 @@ class MHAPool(_HeadPool):
         """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         require_positive(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim)
-        dt = cls.validate_common(
+        common = cls.common_fields(
             size=size,
             page_size=page_size,
             layer_num=layer_num,
             start_layer=start_layer,
             dtype=dtype,
+            sharding=sharding,
         )
+        dt = common["dtype"]
         rows, store = size + page_size, _dtypes.store_dtype_of(dt)
         return cls(
-            size=int(size),
-            page_size=int(page_size),
-            dtype=dt,
-            layer_num=int(layer_num),
-            start_layer=int(start_layer),
-            sharding=sharding,
+            **common,
             head_num=int(head_num),
             head_dim=int(head_dim),
             v_head_dim=int(v_head_dim),
@@ -186,21 +183,18 @@ class KOnlyPool(_HeadPool):
     ) -> KOnlyPool:
         """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
         require_positive(head_num=head_num, head_dim=head_dim)
-        dt = cls.validate_common(
+        common = cls.common_fields(
             size=size,
             page_size=page_size,
             layer_num=layer_num,
             start_layer=start_layer,
             dtype=dtype,
+            sharding=sharding,
         )
+        dt = common["dtype"]
         shape = (size + page_size, head_num, head_dim)
         return cls(
-            size=int(size),
-            page_size=int(page_size),
-            dtype=dt,
-            layer_num=int(layer_num),
-            start_layer=int(start_layer),
-            sharding=sharding,
+            **common,
             head_num=int(head_num),
             head_dim=int(head_dim),
             k_buffer=zeros_buffers(layer_num, shape, _dtypes.store_dtype_of(dt), sharding),
@@ -305,23 +299,20 @@ class MLAPool(_LatentPool):
     ) -> MLAPool:
         """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
         require_positive(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
-        dt = cls.validate_common(
+        common = cls.common_fields(
             size=size,
             page_size=page_size,
             layer_num=layer_num,
             start_layer=start_layer,
             dtype=dtype,
+            sharding=sharding,
         )
+        dt = common["dtype"]
         kv = cls._latent_buffers(
             layer_num, size + page_size, kv_lora_rank, qk_rope_head_dim, dt, sharding
         )
         return cls(
-            size=int(size),
-            page_size=int(page_size),
-            dtype=dt,
-            layer_num=int(layer_num),
-            start_layer=int(start_layer),
-            sharding=sharding,
+            **common,
             kv_lora_rank=int(kv_lora_rank),
             qk_rope_head_dim=int(qk_rope_head_dim),
             kv_buffer=kv,
@@ -362,22 +353,19 @@ class NSAPool(_LatentPool):
             qk_rope_head_dim=qk_rope_head_dim,
             index_head_dim=index_head_dim,
         )
-        dt = cls.validate_common(
+        common = cls.common_fields(
             size=size,
             page_size=page_size,
             layer_num=layer_num,
             start_layer=start_layer,
             dtype=dtype,
+            sharding=sharding,
         )
+        dt = common["dtype"]
         rows = size + page_size
         index_shape = (rows // page_size, page_size * (index_head_dim + 4))
         return cls(
-            size=int(size),
-            page_size=int(page_size),
-            dtype=dt,
-            layer_num=int(layer_num),
-            start_layer=int(start_layer),
-            sharding=sharding,
+            **common,
             kv_lora_rank=int(kv_lora_rank),
             qk_rope_head_dim=int(qk_rope_head_dim),
             index_head_dim=int(index_head_dim),
