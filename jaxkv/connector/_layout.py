@@ -348,8 +348,18 @@ def block_starts(slots: np.ndarray, block_size: int) -> np.ndarray | None:
 
 
 def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
-    """`host` on `like`'s device: a zero-copy DLPack view on CPU, a transfer elsewhere."""
-    dev = min(like.sharding.device_set, key=lambda d: d.id)
+    """`host` on `like`'s devices: a zero-copy DLPack view on CPU, a transfer elsewhere, and
+    replicated over the mesh when `like` is sharded (the scatter then writes each shard)."""
+    devices = like.sharding.device_set
+    if len(devices) > 1:
+        sharding = like.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        else:
+            mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("all",))
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.device_put(host, replicated)
+    dev = next(iter(devices))
     if dev.platform == "cpu":
         return jax.dlpack.from_dlpack(host)
     return jax.device_put(host, dev)
