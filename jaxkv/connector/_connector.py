@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -87,6 +87,7 @@ class KVConnector:
         self._staging = StagingCache()
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
+        self._errors: list[BaseException] = []
         self._executor: ThreadPoolExecutor | None = None
         self._room = threading.BoundedSemaphore(max_pending)
         self._counters = dict.fromkeys(
@@ -224,32 +225,44 @@ class KVConnector:
             done.set_result(0)
             return done
         self._room.acquire()
+        keys = [r.key for r in records]
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-store")
-            future = self._executor.submit(self._write, records)
-            for r in records:
-                self._pending[r.key] = future
-        future.add_done_callback(lambda f, keys=[r.key for r in records]: self._settle(f, keys))
+            future = self._executor.submit(self._background_write, records, keys)
+            for key in keys:
+                self._pending[key] = future
         return future
 
-    def _settle(self, future: Future, keys: list[str]) -> None:
-        with self._lock:
-            for k in keys:
-                if self._pending.get(k) is future:
-                    del self._pending[k]
-        self._room.release()
+    def _background_write(self, records: list[BlockRecord], keys: list[str]) -> int:
+        # Errors and pending keys are settled here, before the future completes, so `flush`
+        # and `load` never see a finished write as still pending or miss its error.
+        try:
+            return self._write(records)
+        except BaseException as err:
+            with self._lock:
+                self._errors.append(err)
+            raise
+        finally:
+            with self._lock:
+                for key in keys:
+                    self._pending.pop(key, None)
+            self._room.release()
 
     def flush(self) -> None:
-        """Waits until every `store_async` write has reached the store."""
+        """Waits until every `store_async` write has finished, then raises the first write
+        error since the last `flush` (each error also stays on its own future)."""
         with self._lock:
             futures = set(self._pending.values())
-        for f in futures:
-            f.result()
+        wait(futures)
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
-        """Flushes pending writes and stops the background worker."""
-        self.flush()
+        """Waits for pending writes (their errors stay on their futures) and stops the
+        background worker."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:

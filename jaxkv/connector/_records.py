@@ -45,15 +45,6 @@ class BlockRecord:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.parts.values())
 
-    def frozen_copy(self) -> BlockRecord:
-        """A copy whose arrays nobody else holds, marked read-only."""
-        parts = {}
-        for name, arr in self.parts.items():
-            own = np.array(arr, copy=True, order="C")
-            own.flags.writeable = False
-            parts[name] = own
-        return dataclasses.replace(self, parts=parts)
-
 
 def encode(record: BlockRecord) -> bytes:
     """The record's byte form (see the module docstring)."""

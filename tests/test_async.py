@@ -1,0 +1,133 @@
+"""KVConnector.store_async / flush / close: snapshot first, write in the background, never a
+torn or missing-but-promised block."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.connector import HostStore, KVConnector
+
+TOKENS = np.arange(64) % 7 + 3
+SLOTS = np.arange(1, 65)
+
+
+class SlowStore(HostStore):
+    """A HostStore whose writes take `delay` seconds each, to hold blocks in flight."""
+
+    def __init__(self, capacity, delay):
+        super().__init__(capacity)
+        self.delay = delay
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def put(self, record):
+        self.gate.wait()
+        time.sleep(self.delay)
+        return super().put(record)
+
+
+class FailingStore(HostStore):
+    def put(self, record):
+        raise OSError("disk gone")
+
+
+def _pool(seed=0):
+    pool = jaxkv.MHAPool.create(size=256, head_num=2, head_dim=8, layer_num=2)
+    rng = np.random.default_rng(seed)
+    for layer in range(2):
+        k, v = rng.standard_normal((2, 64, 2, 8)).astype(np.float32)
+        pool = pool.set_kv(layer, SLOTS, k, v)
+    return pool
+
+
+def _rows(pool, slots):
+    return [np.asarray(b)[slots] for b in pool.k_buffer + pool.v_buffer]
+
+
+def test_store_async_returns_the_written_count_and_blocks_load_bit_exact():
+    pool = _pool()
+    want = _rows(pool, SLOTS)
+    with KVConnector(pool, HostStore(1 << 22)) as conn:
+        future = conn.store_async(pool, TOKENS, SLOTS)
+        assert future.result(timeout=30) == 4
+        assert conn.store_async(pool, TOKENS, SLOTS).result(timeout=30) == 0  # all present
+        pool, n = conn.load(pool, TOKENS, SLOTS + 100)
+    assert n == 64
+    for got, ref in zip(_rows(pool, SLOTS + 100), want):
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once():
+    pool = _pool()
+    want = _rows(pool, SLOTS)
+    store = SlowStore(1 << 22, delay=0.0)
+    store.gate.clear()  # nothing reaches the store until the pool has been overwritten
+    conn = KVConnector(pool, store)
+    pointer = pool.k_buffer[0].unsafe_buffer_pointer()
+    future = conn.store_async(pool, TOKENS, SLOTS)
+    step = jax.jit(lambda p, loc, k: p.set_kv(0, loc, k, k), donate_argnums=0)
+    pool = step(pool, jnp.asarray(SLOTS), jnp.zeros((64, 2, 8), jnp.bfloat16))
+    assert pool.k_buffer[0].unsafe_buffer_pointer() == pointer  # no live export held it
+    store.gate.set()
+    assert future.result(timeout=30) == 4
+    pool, n = conn.load(pool, TOKENS, SLOTS + 100)
+    assert n == 64
+    for got, ref in zip(_rows(pool, SLOTS + 100), want):  # the snapshot, not the zeros
+        np.testing.assert_array_equal(got, ref)
+    conn.close()
+
+
+def test_lookup_counts_and_load_waits_for_blocks_in_flight():
+    pool = _pool()
+    want = _rows(pool, SLOTS)
+    store = SlowStore(1 << 22, delay=0.05)
+    conn = KVConnector(pool, store)
+    future = conn.store_async(pool, TOKENS, SLOTS)
+    assert not future.done()
+    assert conn.lookup(TOKENS) == 64  # promised: being written
+    assert conn.stats()["pending_blocks"] == 4
+    pool, n = conn.load(pool, TOKENS, SLOTS + 100)  # waits instead of missing
+    assert n == 64 and future.done()
+    for got, ref in zip(_rows(pool, SLOTS + 100), want):
+        np.testing.assert_array_equal(got, ref)
+    conn.close()
+    assert conn.stats()["pending_blocks"] == 0
+
+
+def test_flush_waits_for_every_pending_write_and_max_pending_bounds_the_queue():
+    pool = _pool()
+    store = SlowStore(1 << 22, delay=0.02)
+    conn = KVConnector(pool, store, max_pending=1)
+    first = conn.store_async(pool, TOKENS, SLOTS)
+    second = conn.store_async(pool, TOKENS + 1, SLOTS)  # waits for room behind `first`
+    assert first.done()
+    conn.flush()
+    assert second.done() and first.result() == second.result() == 4
+    assert store.stats()["blocks_stored"] == 8
+    conn.close()
+
+
+def test_a_failing_write_reaches_the_future_and_clears_the_pending_blocks():
+    pool = _pool()
+    conn = KVConnector(pool, FailingStore(1 << 22))
+    future = conn.store_async(pool, TOKENS, SLOTS)
+    with pytest.raises(OSError, match="disk gone"):
+        future.result(timeout=30)
+    conn.close()  # does not raise: the error belongs to the future
+    assert conn.stats()["pending_blocks"] == 0
+    assert conn.lookup(TOKENS) == 0
+
+
+def test_flush_raises_a_pending_write_error():
+    pool = _pool()
+    store = FailingStore(1 << 22)
+    conn = KVConnector(pool, store)
+    conn.store_async(pool, TOKENS, SLOTS)
+    with pytest.raises(OSError, match="disk gone"):
+        conn.flush()
+    conn.close()
