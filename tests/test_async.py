@@ -131,3 +131,40 @@ def test_flush_raises_a_pending_write_error():
     with pytest.raises(OSError, match="disk gone"):
         conn.flush()
     conn.close()
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_large_snapshots_stage_per_layer_and_round_trip_bit_exact(monkeypatch, use_async):
+    from jaxkv.connector import _layout
+
+    monkeypatch.setattr(_layout, "_FRESH_MMAP_BYTES", 0)  # take the >32 MiB path at any size
+    pool = jaxkv.NSAPool.create(
+        size=256,
+        page_size=16,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        index_head_dim=16,
+        layer_num=3,
+    )
+    rng = np.random.default_rng(5)
+    for layer in range(3):
+        pool = pool.set_kv(layer, SLOTS, rng.standard_normal((64, 1, 40)), None)
+        pool = pool.set_index_k(layer, SLOTS, rng.standard_normal((64, 16)))
+    want_kv = [np.asarray(b)[SLOTS] for b in pool.kv_buffer]
+    want_index = [np.asarray(pool.get_index_k(layer, SLOTS)) for layer in range(3)]
+    conn = KVConnector(pool, HostStore(1 << 24))
+    if use_async:
+        assert conn.store_async(pool, TOKENS, SLOTS).result(timeout=30) == 4
+    else:
+        assert conn.store(pool, TOKENS, SLOTS) == 4
+    assert conn._staging._idle_bytes > 0  # the staging went back for reuse
+    pool, n = conn.load(pool, TOKENS, SLOTS + 100)
+    assert n == 64
+    for layer in range(3):
+        np.testing.assert_array_equal(
+            np.asarray(pool.kv_buffer[layer])[SLOTS + 100], want_kv[layer]
+        )
+        np.testing.assert_array_equal(
+            np.asarray(pool.get_index_k(layer, SLOTS + 100)), want_index[layer]
+        )
+    conn.close()

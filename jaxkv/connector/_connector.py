@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from jaxkv.connector import _hashing
-from jaxkv.connector._layout import PoolView, StagingCache, gather_blocks, view_of
+from jaxkv.connector._layout import PoolView, StagingCache, gather_blocks, stage_blocks, view_of
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector.stores import BlockStore
 
@@ -167,8 +167,9 @@ class KVConnector:
             )
         return gather_blocks(view, self._slots(slots, n, view.layout.rows), self.block_size)
 
-    def _snapshot(self, pool, token_ids, slots, salt) -> list[BlockRecord]:
-        """Records of the full blocks not yet stored (nor being written), copied to host."""
+    def _snapshot(self, pool, token_ids, slots, salt) -> tuple[list[BlockRecord], list]:
+        """Records of the full blocks not yet stored (nor being written), copied to host, and
+        the staging buffers they live in (give those back once the records are written)."""
         view = self._view(pool)
         digests, data = self._digests(token_ids, salt)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
@@ -180,11 +181,11 @@ class KVConnector:
             if d.hex() not in pending and not self.backend.contains(d.hex())
         ]
         if not missing:
-            return []
+            return [], []
         bs = self.block_size
         rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in missing])
-        staged = gather_blocks(view, rows, bs)
-        return [
+        staged, staging = stage_blocks(view, rows, bs, self._staging)
+        records = [
             BlockRecord(
                 key=digests[i].hex(),
                 layout=self.fingerprint,
@@ -193,6 +194,7 @@ class KVConnector:
             )
             for j, i in enumerate(missing)
         ]
+        return records, staging
 
     def _write(self, records: list[BlockRecord]) -> int:
         written = 0
@@ -206,7 +208,15 @@ class KVConnector:
     def store(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> int:
         """Stores the full blocks of `token_ids` not already stored; `slots[t]` is the pool row
         of token `t`. Returns the number of blocks newly written."""
-        return self._write(self._snapshot(pool, token_ids, slots, salt))
+        records, staging = self._snapshot(pool, token_ids, slots, salt)
+        try:
+            return self._write(records)
+        finally:
+            self._give_back(staging)
+
+    def _give_back(self, staging) -> None:
+        for buf in staging:
+            self._staging.give(buf)
 
     def store_async(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> Future:
         """Like `store`, but returns as soon as the blocks are copied to host memory.
@@ -219,7 +229,7 @@ class KVConnector:
         Returns:
             A `concurrent.futures.Future` of the number of blocks newly written.
         """
-        records = self._snapshot(pool, token_ids, slots, salt)
+        records, staging = self._snapshot(pool, token_ids, slots, salt)
         if not records:
             done: Future = Future()
             done.set_result(0)
@@ -229,12 +239,12 @@ class KVConnector:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-store")
-            future = self._executor.submit(self._background_write, records, keys)
+            future = self._executor.submit(self._background_write, records, keys, staging)
             for key in keys:
                 self._pending[key] = future
         return future
 
-    def _background_write(self, records: list[BlockRecord], keys: list[str]) -> int:
+    def _background_write(self, records: list[BlockRecord], keys: list[str], staging) -> int:
         # Errors and pending keys are settled here, before the future completes, so `flush`
         # and `load` never see a finished write as still pending or miss its error.
         try:
@@ -247,6 +257,7 @@ class KVConnector:
             with self._lock:
                 for key in keys:
                     self._pending.pop(key, None)
+            self._give_back(staging)
             self._room.release()
 
     def flush(self) -> None:

@@ -59,7 +59,11 @@ class BlockStore(abc.ABC):
 
     @abc.abstractmethod
     def put(self, record: BlockRecord) -> bool:
-        """Stores `record`; `False` when it was already held or cannot fit."""
+        """Stores `record`; `False` when it was already held or cannot fit.
+
+        The record's arrays are views into the connector's staging memory, valid only during
+        the call: a store keeps copies (or bytes), never the arrays themselves.
+        """
 
     @abc.abstractmethod
     def __len__(self) -> int: ...
