@@ -725,3 +725,29 @@ def test_example_offload_reload_runs():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bit-exact" in proc.stdout
+
+
+def test_connector_stats_count_block_hits_misses_and_the_stores_failures(tmp_path):
+    rng = np.random.default_rng(12)
+    pool = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    store = DiskStore(tmp_path / "blocks", capacity_bytes=None)
+    conn = KVConnector(pool, store)
+    tokens = rng.integers(0, 999, 64)
+    assert conn.store(pool, tokens[:32], np.arange(1, 33)) == 2
+    assert conn.lookup(tokens) == 32  # 2 of 4 full blocks
+    st = conn.stats()
+    assert (st["hits"], st["misses"]) == (2, 2)
+    # Damage the second stored block on disk: the load stops after the first one.
+    second = conn.block_hashes(tokens)[1]
+    path = tmp_path / "blocks" / second[:2] / f"{second}.kvb"
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    dst = _make_pool("mha", size=128, page_size=1)
+    dst, n = conn.load(dst, tokens, np.arange(40, 104))
+    assert n == 16
+    st = conn.stats()
+    assert (st["hits"], st["misses"]) == (3, 5)
+    assert st["verification_failures"] == 1 == st["store"]["verification_failures"]
+    assert st["evictions"] == st["store"]["evictions"] == 0
+    assert st["io_errors"] == 0 and st["pending_blocks"] == 0

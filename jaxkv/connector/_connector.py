@@ -94,6 +94,8 @@ class KVConnector:
             (
                 "lookups",
                 "hit_blocks",
+                "hits",
+                "misses",
                 "blocks_stored",
                 "blocks_loaded",
                 "bytes_stored",
@@ -120,13 +122,16 @@ class KVConnector:
         n = 0
         with self._lock:
             pending = set(self._pending)
-        for digest in self._digests(token_ids, salt)[0]:
+        digests = self._digests(token_ids, salt)[0]
+        for digest in digests:
             key = digest.hex()
             if key not in pending and not self.backend.contains(key):
                 break
             n += 1
         self._count("lookups")
         self._count("hit_blocks", n)
+        self._count("hits", n)
+        self._count("misses", len(digests) - n)
         return n * self.block_size
 
     # ---- transfers ----------------------------------------------------------------------
@@ -319,6 +324,8 @@ class KVConnector:
                 self._count("verification_failures")
                 break
             records.append(record)
+        self._count("hits", len(records))
+        self._count("misses", len(digests) - len(records))
         if not records:
             return pool, 0
         n = len(records) * bs
@@ -347,8 +354,16 @@ class KVConnector:
                 return False
         return True
 
-    def stats(self) -> dict[str, int]:
-        """Connector counters, with the store's under `"store"`."""
+    def stats(self) -> dict:
+        """Counters of this connector: lookups; hits and misses (full blocks found or not by
+        `lookup` and `load`); blocks and bytes stored and loaded; verification failures (its
+        own record checks plus the store's); the store's evictions and I/O errors; blocks
+        still being written by `store_async`. The store's own counters are under `"store"`."""
+        store = self.backend.stats()
         with self._lock:
             counters = dict(self._counters)
-        return {**counters, "pending_blocks": len(self._pending), "store": self.backend.stats()}
+            pending = len(self._pending)
+        counters["verification_failures"] += store.get("verification_failures", 0)
+        counters["evictions"] = store.get("evictions", 0)
+        counters["io_errors"] = store.get("io_errors", 0)
+        return {**counters, "pending_blocks": pending, "store": store}
