@@ -66,7 +66,7 @@ class IndexCodec:
     page_size: int
     head_dim: int
 
-    def _flat_index(self, loc: jax.Array, n_pages: int) -> tuple[jax.Array, jax.Array]:
+    def flat_index(self, loc: jax.Array, n_pages: int) -> tuple[jax.Array, jax.Array]:
         p, d = self.page_size, self.head_dim
         row_len = p * (d + 4)
         valid = (loc >= 0) & (loc < n_pages * p)
@@ -99,12 +99,12 @@ class IndexCodec:
 
     def read(self, buf: jax.Array, loc: jax.Array) -> jax.Array:
         flat = buf.reshape(-1)
-        keys, scales = self._flat_index(loc, buf.shape[0])
+        keys, scales = self.flat_index(loc, buf.shape[0])
         return jnp.concatenate([_fill_gather(flat, keys), _fill_gather(flat, scales)], axis=-1)
 
     def load(self, buf: jax.Array, loc: jax.Array, records: jax.Array) -> jax.Array:
         flat = buf.reshape(-1)
-        keys, scales = self._flat_index(loc, buf.shape[0])
+        keys, scales = self.flat_index(loc, buf.shape[0])
         flat = _drop_scatter(flat, keys, records[:, : self.head_dim])
         flat = _drop_scatter(flat, scales, records[:, self.head_dim :])
         return flat.reshape(buf.shape)

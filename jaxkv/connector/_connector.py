@@ -332,9 +332,15 @@ class KVConnector:
         with contextlib.ExitStack() as stack:
             staging = []
             for p in view.layout.parts:
-                shape = (self.layout.layer_num, len(records), bs, *p.row_shape)
-                buf = stack.enter_context(self._staging.borrow(shape, p.bits_dtype))
-                staging.append(np.stack([r.parts[p.key] for r in records], axis=1, out=buf))
+                like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
+                slot = stack.enter_context(
+                    self._staging.borrow_layers(
+                        self.layout.layer_num, (len(records), bs, *p.row_shape), p.bits_dtype, like
+                    )
+                )
+                for li, host in enumerate(slot.host):
+                    np.stack([r.parts[p.key][li] for r in records], out=host)
+                staging.append(slot)
             new_pool = view.write(slots[:n], staging, bs)
         self._count("blocks_loaded", len(records))
         self._count("bytes_loaded", sum(r.nbytes for r in records))

@@ -11,11 +11,13 @@ the next donated update into a full copy).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import json
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,14 +81,26 @@ _UNSUPPORTED = (
 )
 
 
+def _host_view(x) -> np.ndarray | None:
+    """A numpy view of a foreign buffer that lives in host memory, else None.
+
+    Host buffers are gathered and written with numpy: importing them into XLA through DLPack
+    would let an XLA worker thread drop the last reference and run the producer's deleter,
+    which aborted the process when that happened during interpreter shutdown.
+    """
+    if isinstance(x, jax.Array):
+        return None
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__") and getattr(x, "__dlpack_device__", lambda: (0, 0))()[0] == 1:
+        return np.from_dlpack(x)  # kDLCPU
+    return None
+
+
 def _device_array(x) -> jax.Array:
-    """A jax view of a foreign buffer (zero-copy through DLPack where the producer allows)."""
+    """A jax view of a foreign device buffer (zero-copy through DLPack)."""
     if isinstance(x, jax.Array):
         return x
-    if isinstance(x, np.ndarray):
-        # numpy cannot export bf16 or fp8 through DLPack: carry their raw bits instead.
-        host = np.ascontiguousarray(x)
-        return jax.dlpack.from_dlpack(host.view(_dtypes.bits_dtype(host.dtype)))
     if hasattr(x, "__dlpack__"):
         return jax.dlpack.from_dlpack(x)
     raise TypeError(f"expected an array supporting DLPack, got {type(x).__name__}")
@@ -99,14 +113,18 @@ class PoolView:
         self.pool = pool
         self.layout = layout
 
-    def arrays(self) -> tuple[tuple[jax.Array, ...], ...]:
-        """Per part, the layer buffers as jax arrays."""
-        return tuple(
-            tuple(_device_array(b) for b in getattr(self.pool, p.attr)) for p in self.layout.parts
-        )
+    def host_layers(self, part: Part) -> list[np.ndarray] | None:
+        """The part's layer buffers as numpy views when they live in host memory, else None."""
+        views = [_host_view(b) for b in getattr(self.pool, part.attr)]
+        return views if all(v is not None for v in views) else None
 
-    def write(self, slots: np.ndarray, staging: Sequence[np.ndarray], block_size: int):
-        """Writes `staging` at `slots`; returns the pool.
+    def arrays(self, parts: Sequence[Part] | None = None) -> tuple[tuple[jax.Array, ...], ...]:
+        """Per part (default: all), the layer buffers as jax arrays."""
+        parts = self.layout.parts if parts is None else parts
+        return tuple(tuple(_device_array(b) for b in getattr(self.pool, p.attr)) for p in parts)
+
+    def write(self, slots: np.ndarray, staging: Sequence[StagingSlot], block_size: int):
+        """Writes `staging` (one `StagingSlot` per part) at `slots`; returns the pool.
 
         `staging` holds one layer-major host array per part, `(layer_num, n_blocks, block_size,
         *row)`: each layer's slice is contiguous, so it reaches the device as its own zero-copy
@@ -118,17 +136,21 @@ class PoolView:
 
 
 class _JaxkvView(PoolView):
-    def arrays(self):
+    def host_layers(self, part):
+        return None
+
+    def arrays(self, parts=None):
+        parts = self.layout.parts if parts is None else parts
         return tuple(
             tuple(self.pool.layer_buffer(p.attr, i) for i in range(self.layout.layer_num))
-            for p in self.layout.parts
+            for p in parts
         )
 
     def write(self, slots, staging, block_size):
         codecs = tuple(p.codec for p in self.layout.parts)
         starts = block_starts(slots, block_size)
         arrays = self.arrays()
-        staged = tuple(tuple(to_device(layer, arrays[0][0]) for layer in st) for st in staging)
+        staged = tuple(_on_device(st, arrays[0][0]) for st in staging)
         new = _scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
         jax.block_until_ready(new)  # the staging memory is reused once this returns
         changes = {p.attr: bufs for p, bufs in zip(self.layout.parts, new)}
@@ -143,25 +165,34 @@ class _ForeignView(PoolView):
         starts = block_starts(slots, block_size)
         for part, st in zip(self.layout.parts, staging):
             layers = getattr(self.pool, part.attr)
-            if all(isinstance(b, jax.Array) for b in layers):
-                staged = tuple(to_device(layer, layers[0]) for layer in st)
-                new = _scatter_donated(
-                    (tuple(layers),), slots.astype(np.int32), starts, (staged,), (part.codec,)
-                )[0]
-                jax.block_until_ready(new)
-                setattr(
-                    self.pool, part.attr, type(layers)(new) if isinstance(layers, list) else new
-                )
+            host = self.host_layers(part)
+            if host is not None:
+                for li, buf in enumerate(host):
+                    if not buf.flags.writeable:
+                        raise TypeError(
+                            f"{part.attr}[{li}]: cannot write into a read-only "
+                            f"{type(layers[li]).__name__}; pass writable host arrays or jax arrays"
+                        )
+                    rows = st.host[li]
+                    _numpy_write(part.codec, buf, slots, rows.reshape(-1, *rows.shape[2:]))
                 continue
-            for li, buf in enumerate(layers):
-                host = np.from_dlpack(buf) if not isinstance(buf, np.ndarray) else buf
-                if not host.flags.writeable:
-                    raise TypeError(
-                        f"{part.attr}[{li}]: cannot write into a read-only "
-                        f"{type(buf).__name__}; pass writable host arrays or jax arrays"
-                    )
-                _numpy_write(part.codec, host, slots, st[li].reshape(-1, *st.shape[3:]))
+            if not all(isinstance(b, jax.Array) for b in layers):
+                raise TypeError(
+                    f"{part.attr}: cannot write into {type(layers[0]).__name__} buffers on a "
+                    "device; pass jax arrays, or host arrays numpy can write"
+                )
+            staged = _on_device(st, layers[0])
+            new = _scatter_donated(
+                (tuple(layers),), slots.astype(np.int32), starts, (staged,), (part.codec,)
+            )[0]
+            jax.block_until_ready(new)
+            setattr(self.pool, part.attr, type(layers)(new) if isinstance(layers, list) else new)
         return self.pool
+
+
+def _index_positions(codec, slots: np.ndarray, n_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    keys, scales = codec.flat_index(jnp.asarray(slots, jnp.int32), n_pages)
+    return np.asarray(keys), np.asarray(scales)
 
 
 def _numpy_write(codec, host: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
@@ -169,10 +200,26 @@ def _numpy_write(codec, host: np.ndarray, slots: np.ndarray, rows: np.ndarray) -
     if isinstance(codec, _kernels.RowCodec):
         host[slots] = rows
         return
-    keys, scales = codec._flat_index(jnp.asarray(slots, jnp.int32), host.shape[0])
+    keys, scales = _index_positions(codec, slots, host.shape[0])
     flat = host.reshape(-1)
-    flat[np.asarray(keys)] = rows[:, : codec.head_dim]
-    flat[np.asarray(scales)] = rows[:, codec.head_dim :]
+    flat[keys] = rows[:, : codec.head_dim]
+    flat[scales] = rows[:, codec.head_dim :]
+
+
+def _numpy_blocks(part: Part, layers: list[np.ndarray], slots: np.ndarray, block_size: int):
+    """Block-major bits `(n_blocks, layer_num, block_size, *row)` of host buffers."""
+    n_blocks = len(slots) // block_size
+    out = np.empty((n_blocks, len(layers), block_size, *part.row_shape), part.bits_dtype)
+    for li, buf in enumerate(layers):
+        bits = buf.view(part.bits_dtype) if buf.dtype != part.bits_dtype else buf
+        if isinstance(part.codec, _kernels.RowCodec):
+            rows = bits[slots]
+        else:
+            keys, scales = _index_positions(part.codec, slots, bits.shape[0])
+            flat = bits.reshape(-1)
+            rows = np.concatenate([flat[keys], flat[scales]], axis=-1)
+        out[:, li] = rows.reshape(n_blocks, block_size, *part.row_shape)
+    return out
 
 
 def view_of(pool) -> PoolView:
@@ -347,9 +394,14 @@ def block_starts(slots: np.ndarray, block_size: int) -> np.ndarray | None:
     return None
 
 
+def _on_device(slot: StagingSlot, like: jax.Array) -> tuple[jax.Array, ...]:
+    return slot.device if slot.device is not None else tuple(to_device(h, like) for h in slot.host)
+
+
 def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
-    """`host` on `like`'s devices: a zero-copy DLPack view on CPU, a transfer elsewhere, and
-    replicated over the mesh when `like` is sharded (the scatter then writes each shard)."""
+    """A copy of `host` on `like`'s device, replicated over the mesh when `like` is sharded
+    (the scatter then writes each shard). Single-CPU staging goes through
+    `StagingCache.device_layers` instead, zero-copy."""
     devices = like.sharding.device_set
     if len(devices) > 1:
         sharding = like.sharding
@@ -359,10 +411,7 @@ def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
             mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("all",))
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return jax.device_put(host, replicated)
-    dev = next(iter(devices))
-    if dev.platform == "cpu":
-        return jax.dlpack.from_dlpack(host)
-    return jax.device_put(host, dev)
+    return jax.device_put(host, next(iter(devices)))
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
@@ -378,8 +427,31 @@ def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndar
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
+def _xla_owned_staging(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, jax.Array]:
+    """A zeroed CPU jax array and a writable numpy view of its memory.
+
+    Loads fill staging on the host and scatter it on the device. Importing numpy memory into
+    XLA (DLPack) made XLA's worker threads hold the producer's deleter; when the thread pool
+    dropped it during interpreter shutdown the process aborted ("terminate called without an
+    active exception", about one run in six). Memory XLA allocated itself has no such
+    deleter; jaxkv writes it only while no computation reads it (each scatter completes
+    before the buffer is refilled) and never hands the array out.
+    """
+    arr = jax.block_until_ready(jnp.zeros(shape, dtype))
+    raw = (ctypes.c_char * arr.nbytes).from_address(arr.unsafe_buffer_pointer())
+    return np.frombuffer(raw, dtype=arr.dtype).reshape(shape), arr
+
+
+class StagingSlot(NamedTuple):
+    """Staging of one part for a load: per layer, a host array `(n_blocks, block_size, *row)`
+    and, on a single CPU device, the jax array sharing its memory."""
+
+    host: tuple[np.ndarray, ...]
+    device: tuple[jax.Array, ...] | None
+
+
 class StagingCache:
-    """Reusable host staging buffers for loads and stores.
+    """Reusable staging memory for loads and stores.
 
     Fresh host memory costs a page fault per 4 KiB page on first touch; staging in memory
     already touched is what keeps transfers at memcpy speed. At most `max_bytes` stay idle.
@@ -387,35 +459,56 @@ class StagingCache:
 
     def __init__(self, max_bytes: int = 256 << 20):
         self._lock = threading.Lock()
-        self._idle: dict[tuple, list[np.ndarray]] = {}
+        self._idle: dict[tuple, list] = {}
         self._idle_bytes = 0
         self.max_bytes = max_bytes
 
-    def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        """A 64-byte-aligned host buffer; hand it back with `give` once nothing reads it."""
-        key = (tuple(shape), np.dtype(dtype).str)
+    def _take(self, key: tuple, make):
         with self._lock:
             idle = self._idle.get(key)
             if idle:
-                buf = idle.pop()
-                self._idle_bytes -= buf.nbytes
-                return buf
-        return aligned_empty(shape, dtype)
+                item, nbytes = idle.pop()
+                self._idle_bytes -= nbytes
+                return item
+        return make()
+
+    def _give(self, key: tuple, item, nbytes: int) -> None:
+        with self._lock:
+            if self._idle_bytes + nbytes <= self.max_bytes:
+                self._idle.setdefault(key, []).append((item, nbytes))
+                self._idle_bytes += nbytes
+
+    def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A 64-byte-aligned host buffer; hand it back with `give` once nothing reads it."""
+        return self._take(
+            ("host", tuple(shape), np.dtype(dtype).str), lambda: aligned_empty(shape, dtype)
+        )
 
     def give(self, buf: np.ndarray) -> None:
-        key = (buf.shape, buf.dtype.str)
-        with self._lock:
-            if self._idle_bytes + buf.nbytes <= self.max_bytes:
-                self._idle.setdefault(key, []).append(buf)
-                self._idle_bytes += buf.nbytes
+        self._give(("host", buf.shape, buf.dtype.str), buf, buf.nbytes)
 
     @contextlib.contextmanager
-    def borrow(self, shape: tuple[int, ...], dtype):
-        buf = self.take(shape, dtype)
+    def borrow_layers(self, layers: int, shape: tuple[int, ...], dtype, like: jax.Array | None):
+        """Per-layer staging for a load into buffers like `like` (None: host buffers only)."""
+        dtype = np.dtype(dtype)
+        xla = (
+            like is not None
+            and len(like.sharding.device_set) == 1
+            and (next(iter(like.sharding.device_set)).platform == "cpu")
+        )
+        key = ("xla" if xla else "host", layers, tuple(shape), dtype.str)
+
+        def make():
+            if not xla:
+                return StagingSlot(tuple(aligned_empty(shape, dtype) for _ in range(layers)), None)
+            pairs = [_xla_owned_staging(shape, dtype) for _ in range(layers)]
+            return StagingSlot(tuple(h for h, _ in pairs), tuple(d for _, d in pairs))
+
+        slot = self._take(key, make)
         try:
-            yield buf
+            yield slot
         finally:
-            self.give(buf)
+            self._give(key, slot, sum(h.nbytes for h in slot.host))
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -430,12 +523,25 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 
 def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
-    """Block-major staging arrays `(n_blocks, layer_num, block_size, *row)`, one per part."""
-    codecs = tuple(p.codec for p in view.layout.parts)
-    starts = block_starts(slots, block_size)
-    staged = _gather_jit(view.arrays(), slots.astype(np.int32), starts, codecs, block_size)
-    jax.block_until_ready(staged)  # the snapshot is complete when this returns
-    return {p.key: to_host(x) for p, x in zip(view.layout.parts, staged)}
+    """Block-major staging arrays `(n_blocks, layer_num, block_size, *row)`, one per part.
+
+    Device buffers are gathered on the device and handed over through DLPack; foreign buffers
+    already in host memory are gathered with numpy.
+    """
+    host = {p.key: view.host_layers(p) for p in view.layout.parts}
+    device_parts = tuple(p for p in view.layout.parts if host[p.key] is None)
+    out = {}
+    if device_parts:
+        codecs = tuple(p.codec for p in device_parts)
+        starts = block_starts(slots, block_size)
+        arrays = view.arrays(device_parts)
+        staged = _gather_jit(arrays, slots.astype(np.int32), starts, codecs, block_size)
+        jax.block_until_ready(staged)  # the snapshot is complete when this returns
+        out.update({p.key: to_host(x) for p, x in zip(device_parts, staged)})
+    for p in view.layout.parts:
+        if host[p.key] is not None:
+            out[p.key] = _numpy_blocks(p, host[p.key], slots, block_size)
+    return {p.key: out[p.key] for p in view.layout.parts}
 
 
 def _gather_layers(arrays, slots, starts, codecs, block_size):
@@ -473,8 +579,12 @@ def stage_blocks(
         * p.bits_dtype.itemsize
         for p in view.layout.parts
     )
+    if largest <= _FRESH_MMAP_BYTES or any(
+        view.host_layers(p) is not None for p in view.layout.parts
+    ):
+        return gather_blocks(view, slots, block_size), []
     platform = next(iter(view.arrays()[0][0].sharding.device_set)).platform
-    if largest <= _FRESH_MMAP_BYTES or platform != "cpu":
+    if platform != "cpu":
         return gather_blocks(view, slots, block_size), []
     codecs = tuple(p.codec for p in view.layout.parts)
     starts = block_starts(slots, block_size)
