@@ -18,8 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from jaxkv.connector import _hashing
-from jaxkv.connector._layout import PoolView, StagingCache, gather_blocks, stage_blocks, view_of
+from jaxkv.connector._layout import PoolView, gather_blocks, stage_blocks, view_of
 from jaxkv.connector._records import BlockRecord
+from jaxkv.connector._staging import StagingCache
 from jaxkv.connector.stores import BlockStore
 
 

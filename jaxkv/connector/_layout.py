@@ -10,14 +10,10 @@ the next donated update into a full copy).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import hashlib
 import json
-import threading
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +21,7 @@ import numpy as np
 
 from jaxkv import _dtypes, _kernels
 from jaxkv._pool_base import PoolBase
+from jaxkv.connector._staging import StagingCache, StagingSlot, on_device, to_host
 from jaxkv.errors import UnsupportedKVCacheError
 
 # jaxkv buffer attribute -> export key.
@@ -150,7 +147,7 @@ class _JaxkvView(PoolView):
         codecs = tuple(p.codec for p in self.layout.parts)
         starts = block_starts(slots, block_size)
         arrays = self.arrays()
-        staged = tuple(_on_device(st, arrays[0][0]) for st in staging)
+        staged = tuple(on_device(st, arrays[0][0]) for st in staging)
         new = _scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
         jax.block_until_ready(new)  # the staging memory is reused once this returns
         changes = {p.attr: bufs for p, bufs in zip(self.layout.parts, new)}
@@ -181,7 +178,7 @@ class _ForeignView(PoolView):
                     f"{part.attr}: cannot write into {type(layers[0]).__name__} buffers on a "
                     "device; pass jax arrays, or host arrays numpy can write"
                 )
-            staged = _on_device(st, layers[0])
+            staged = on_device(st, layers[0])
             new = _scatter_donated(
                 (tuple(layers),), slots.astype(np.int32), starts, (staged,), (part.codec,)
             )[0]
@@ -392,134 +389,6 @@ def block_starts(slots: np.ndarray, block_size: int) -> np.ndarray | None:
     if np.array_equal(blocks, blocks[:, :1] + np.arange(block_size)):
         return np.ascontiguousarray(blocks[:, 0]).astype(np.int32)
     return None
-
-
-def _on_device(slot: StagingSlot, like: jax.Array) -> tuple[jax.Array, ...]:
-    return slot.device if slot.device is not None else tuple(to_device(h, like) for h in slot.host)
-
-
-def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
-    """A copy of `host` on `like`'s device, replicated over the mesh when `like` is sharded
-    (the scatter then writes each shard). Single-CPU staging goes through
-    `StagingCache.device_layers` instead, zero-copy."""
-    devices = like.sharding.device_set
-    if len(devices) > 1:
-        sharding = like.sharding
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        else:
-            mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("all",))
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        return jax.device_put(host, replicated)
-    return jax.device_put(host, next(iter(devices)))
-
-
-def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
-    """An uninitialised host array whose data starts on an `alignment`-byte boundary.
-
-    XLA:CPU imports a DLPack buffer without copying only when it is 64-byte aligned; numpy
-    guarantees 16.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    offset = -raw.ctypes.data % alignment
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
-
-
-def _xla_owned_staging(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, jax.Array]:
-    """A zeroed CPU jax array and a writable numpy view of its memory.
-
-    Loads fill staging on the host and scatter it on the device. Importing numpy memory into
-    XLA (DLPack) made XLA's worker threads hold the producer's deleter; when the thread pool
-    dropped it during interpreter shutdown the process aborted ("terminate called without an
-    active exception", about one run in six). Memory XLA allocated itself has no such
-    deleter; jaxkv writes it only while no computation reads it (each scatter completes
-    before the buffer is refilled) and never hands the array out.
-    """
-    arr = jax.block_until_ready(jnp.zeros(shape, dtype))
-    raw = (ctypes.c_char * arr.nbytes).from_address(arr.unsafe_buffer_pointer())
-    return np.frombuffer(raw, dtype=arr.dtype).reshape(shape), arr
-
-
-class StagingSlot(NamedTuple):
-    """Staging of one part for a load: per layer, a host array `(n_blocks, block_size, *row)`
-    and, on a single CPU device, the jax array sharing its memory."""
-
-    host: tuple[np.ndarray, ...]
-    device: tuple[jax.Array, ...] | None
-
-
-class StagingCache:
-    """Reusable staging memory for loads and stores.
-
-    Fresh host memory costs a page fault per 4 KiB page on first touch; staging in memory
-    already touched is what keeps transfers at memcpy speed. At most `max_bytes` stay idle.
-    """
-
-    def __init__(self, max_bytes: int = 256 << 20):
-        self._lock = threading.Lock()
-        self._idle: dict[tuple, list] = {}
-        self._idle_bytes = 0
-        self.max_bytes = max_bytes
-
-    def _take(self, key: tuple, make):
-        with self._lock:
-            idle = self._idle.get(key)
-            if idle:
-                item, nbytes = idle.pop()
-                self._idle_bytes -= nbytes
-                return item
-        return make()
-
-    def _give(self, key: tuple, item, nbytes: int) -> None:
-        with self._lock:
-            if self._idle_bytes + nbytes <= self.max_bytes:
-                self._idle.setdefault(key, []).append((item, nbytes))
-                self._idle_bytes += nbytes
-
-    def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        """A 64-byte-aligned host buffer; hand it back with `give` once nothing reads it."""
-        return self._take(
-            ("host", tuple(shape), np.dtype(dtype).str), lambda: aligned_empty(shape, dtype)
-        )
-
-    def give(self, buf: np.ndarray) -> None:
-        self._give(("host", buf.shape, buf.dtype.str), buf, buf.nbytes)
-
-    @contextlib.contextmanager
-    def borrow_layers(self, layers: int, shape: tuple[int, ...], dtype, like: jax.Array | None):
-        """Per-layer staging for a load into buffers like `like` (None: host buffers only)."""
-        dtype = np.dtype(dtype)
-        xla = (
-            like is not None
-            and len(like.sharding.device_set) == 1
-            and (next(iter(like.sharding.device_set)).platform == "cpu")
-        )
-        key = ("xla" if xla else "host", layers, tuple(shape), dtype.str)
-
-        def make():
-            if not xla:
-                return StagingSlot(tuple(aligned_empty(shape, dtype) for _ in range(layers)), None)
-            pairs = [_xla_owned_staging(shape, dtype) for _ in range(layers)]
-            return StagingSlot(tuple(h for h, _ in pairs), tuple(d for _, d in pairs))
-
-        slot = self._take(key, make)
-        try:
-            yield slot
-        finally:
-            self._give(key, slot, sum(h.nbytes for h in slot.host))
-
-
-def to_host(x: jax.Array) -> np.ndarray:
-    """A host numpy view of a device array: zero-copy on CPU, via pinned host memory elsewhere."""
-    if len(x.sharding.device_set) > 1:
-        first = min(x.sharding.device_set, key=lambda d: d.id)
-        x = jax.device_put(x, jax.sharding.SingleDeviceSharding(first))
-    dev = next(iter(x.devices()))
-    if dev.platform != "cpu":
-        x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
-    return np.from_dlpack(x)
 
 
 def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[str, np.ndarray]:

@@ -1,0 +1,146 @@
+"""Staging memory between pools and stores: host views of device arrays and back.
+
+Fresh host memory costs a page fault per 4 KiB page on first touch, which made first copies
+5-7x slower than copies into memory already touched, so staging buffers are cached and reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialised host array whose data starts on an `alignment`-byte boundary.
+
+    XLA:CPU imports a DLPack buffer without copying only when it is 64-byte aligned; numpy
+    guarantees 16.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def _xla_owned_staging(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, jax.Array]:
+    """A zeroed CPU jax array and a writable numpy view of its memory.
+
+    Loads fill staging on the host and scatter it on the device. Importing numpy memory into
+    XLA (DLPack) made XLA's worker threads hold the producer's deleter; when the thread pool
+    dropped it during interpreter shutdown the process aborted ("terminate called without an
+    active exception", about one run in six). Memory XLA allocated itself has no such
+    deleter; jaxkv writes it only while no computation reads it (each scatter completes
+    before the buffer is refilled) and never hands the array out.
+    """
+    arr = jax.block_until_ready(jnp.zeros(shape, dtype))
+    raw = (ctypes.c_char * arr.nbytes).from_address(arr.unsafe_buffer_pointer())
+    return np.frombuffer(raw, dtype=arr.dtype).reshape(shape), arr
+
+
+class StagingSlot(NamedTuple):
+    """Staging of one part for a load: per layer, a host array `(n_blocks, block_size, *row)`
+    and, on a single CPU device, the jax array sharing its memory."""
+
+    host: tuple[np.ndarray, ...]
+    device: tuple[jax.Array, ...] | None
+
+
+class StagingCache:
+    """Reusable staging memory for loads and stores.
+
+    Fresh host memory costs a page fault per 4 KiB page on first touch; staging in memory
+    already touched is what keeps transfers at memcpy speed. At most `max_bytes` stay idle.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self._lock = threading.Lock()
+        self._idle: dict[tuple, list] = {}
+        self._idle_bytes = 0
+        self.max_bytes = max_bytes
+
+    def _take(self, key: tuple, make):
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                item, nbytes = idle.pop()
+                self._idle_bytes -= nbytes
+                return item
+        return make()
+
+    def _give(self, key: tuple, item, nbytes: int) -> None:
+        with self._lock:
+            if self._idle_bytes + nbytes <= self.max_bytes:
+                self._idle.setdefault(key, []).append((item, nbytes))
+                self._idle_bytes += nbytes
+
+    def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A 64-byte-aligned host buffer; hand it back with `give` once nothing reads it."""
+        return self._take(
+            ("host", tuple(shape), np.dtype(dtype).str), lambda: aligned_empty(shape, dtype)
+        )
+
+    def give(self, buf: np.ndarray) -> None:
+        self._give(("host", buf.shape, buf.dtype.str), buf, buf.nbytes)
+
+    @contextlib.contextmanager
+    def borrow_layers(self, layers: int, shape: tuple[int, ...], dtype, like: jax.Array | None):
+        """Per-layer staging for a load into buffers like `like` (None: host buffers only)."""
+        dtype = np.dtype(dtype)
+        xla = (
+            like is not None
+            and len(like.sharding.device_set) == 1
+            and (next(iter(like.sharding.device_set)).platform == "cpu")
+        )
+        key = ("xla" if xla else "host", layers, tuple(shape), dtype.str)
+
+        def make():
+            if not xla:
+                return StagingSlot(tuple(aligned_empty(shape, dtype) for _ in range(layers)), None)
+            pairs = [_xla_owned_staging(shape, dtype) for _ in range(layers)]
+            return StagingSlot(tuple(h for h, _ in pairs), tuple(d for _, d in pairs))
+
+        slot = self._take(key, make)
+        try:
+            yield slot
+        finally:
+            self._give(key, slot, sum(h.nbytes for h in slot.host))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A host numpy view of a device array: zero-copy on CPU, via pinned host memory elsewhere."""
+    if len(x.sharding.device_set) > 1:
+        first = min(x.sharding.device_set, key=lambda d: d.id)
+        x = jax.device_put(x, jax.sharding.SingleDeviceSharding(first))
+    dev = next(iter(x.devices()))
+    if dev.platform != "cpu":
+        x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    return np.from_dlpack(x)
+
+
+def on_device(slot: StagingSlot, like: jax.Array) -> tuple[jax.Array, ...]:
+    """A slot's layers on `like`'s devices: its XLA-owned arrays, or transfers of its host
+    buffers where it has none (accelerators, meshes)."""
+    return slot.device if slot.device is not None else tuple(to_device(h, like) for h in slot.host)
+
+
+def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
+    """A copy of `host` on `like`'s device, replicated over the mesh when `like` is sharded
+    (the scatter then writes each shard). Single-CPU staging goes through
+    `StagingCache.device_layers` instead, zero-copy."""
+    devices = like.sharding.device_set
+    if len(devices) > 1:
+        sharding = like.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        else:
+            mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("all",))
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.device_put(host, replicated)
+    return jax.device_put(host, next(iter(devices)))
