@@ -80,9 +80,8 @@ class HostStore(BlockStore):
     outside can change it. Buffers of evicted records are reused for new ones of the same size
     (fresh host memory costs a page fault per 4 KiB: 32 MiB of records copied into fresh buffers
     ran at 1.8 GB/s here, into reused ones at memcpy speed), but only when no reader still holds
-    a view of them: a
-    record that a `get` returned stays intact for as long as the caller keeps it. Reused and idle
-    buffers count towards `capacity_bytes`.
+    a view of them: a record that a `get` returned stays intact for as long as the caller keeps
+    it. Reused and idle buffers count towards `capacity_bytes`.
 
     Example:
         >>> store = HostStore(capacity_bytes=1 << 30)
