@@ -23,13 +23,15 @@ class Write(NamedTuple):
     """One buffer's part of an update: `value (T, *row_shape)` from user argument `arg`.
 
     `value` may be a tuple of parts that are encoded separately and joined on the last axis
-    (MLA's `k_nope` and `k_rope`), so mixed input dtypes never promote each other.
+    (MLA's `k_nope` and `k_rope`), so mixed input dtypes never promote each other; then
+    `part_shapes` names each part's argument and per-token shape, so errors name the part.
     """
 
     buffer: str
     arg: str
     value: Any
     scale: Any = None
+    part_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class BufferSpec(NamedTuple):
@@ -235,6 +237,8 @@ class PoolBase:
         for i, w in enumerate(writes):
             spec = specs[w.buffer]
             parts = w.value if isinstance(w.value, tuple) else (w.value,)
+            for (arg, tail), part in zip(w.part_shapes, parts):
+                self.check_shape(arg, part, (n, *tail))
             for part in parts:
                 _dtypes.check_value_dtype(part, w.arg)
                 if w.scale is not None and part.dtype == self.store_dtype != self.dtype:

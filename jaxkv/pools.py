@@ -270,10 +270,8 @@ class _LatentPool(_KeyedPool):
     def set_mla_kv(self, layer_id, loc, k_nope, k_rope, *, donate=True, check_bounds=False):
         """Writes `k_nope (T, 1, kv_lora_rank)` and `k_rope (T, 1, qk_rope_head_dim)` as one
         latent row per token."""
-        n = int(self.prepare_loc(loc).shape[0])
-        self.check_shape("k_nope", k_nope, (n, 1, self.kv_lora_rank))
-        self.check_shape("k_rope", k_rope, (n, 1, self.qk_rope_head_dim))
-        write = Write("kv_buffer", "k_nope/k_rope", (k_nope, k_rope))
+        shapes = (("k_nope", (1, self.kv_lora_rank)), ("k_rope", (1, self.qk_rope_head_dim)))
+        write = Write("kv_buffer", "k_nope/k_rope", (k_nope, k_rope), part_shapes=shapes)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
 
 

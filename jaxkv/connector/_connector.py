@@ -120,13 +120,11 @@ class KVConnector:
 
     def lookup(self, token_ids, *, salt: str | bytes | None = None) -> int:
         """Leading tokens (a multiple of `block_size`) whose blocks are all stored."""
-        n = 0
-        with self._lock:
-            pending = set(self._pending)
+        held = self._held()
         digests = self._digests(token_ids, salt)[0]
+        n = 0
         for digest in digests:
-            key = digest.hex()
-            if key not in pending and not self.backend.contains(key):
+            if not held(digest.hex()):
                 break
             n += 1
         self._count("lookups")
@@ -134,6 +132,12 @@ class KVConnector:
         self._count("hits", n)
         self._count("misses", len(digests) - n)
         return n * self.block_size
+
+    def _held(self):
+        """A test for "stored, or being written by `store_async`" (pending keys as of now)."""
+        with self._lock:
+            pending = set(self._pending)
+        return lambda key: key in pending or self.backend.contains(key)
 
     # ---- transfers ----------------------------------------------------------------------
 
@@ -179,13 +183,8 @@ class KVConnector:
         view = self._view(pool)
         digests, data = self._digests(token_ids, salt)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
-        with self._lock:
-            pending = set(self._pending)
-        missing = [
-            i
-            for i, d in enumerate(digests)
-            if d.hex() not in pending and not self.backend.contains(d.hex())
-        ]
+        held = self._held()
+        missing = [i for i, d in enumerate(digests) if not held(d.hex())]
         if not missing:
             return [], []
         bs = self.block_size

@@ -49,7 +49,6 @@ class DiskStore(BlockStore):
         self.fsync = fsync
         os.makedirs(self.path, exist_ok=True)
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._bytes = 0
         self._writing: dict[str, threading.Event] = {}  # keys being written, set when done
         self._scan()
 
@@ -76,10 +75,6 @@ class DiskStore(BlockStore):
 
     def __len__(self) -> int:
         return len(self._index)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
 
     def contains(self, key: str) -> bool:
         # The folder is the truth: another process sharing it may have written or evicted the

@@ -37,6 +37,7 @@ class BlockStore(abc.ABC):
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._bytes = 0
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -69,8 +70,9 @@ class BlockStore(abc.ABC):
     def __len__(self) -> int: ...
 
     @property
-    @abc.abstractmethod
-    def nbytes(self) -> int: ...
+    def nbytes(self) -> int:
+        """Bytes of the records held now."""
+        return self._bytes
 
 
 class HostStore(BlockStore):
@@ -99,16 +101,11 @@ class HostStore(BlockStore):
         self._records: collections.OrderedDict[str, tuple[BlockRecord, np.ndarray]] = (
             collections.OrderedDict()
         )
-        self._bytes = 0  # held by live records
         self._idle: dict[int, list[np.ndarray]] = collections.defaultdict(list)
         self._idle_bytes = 0
 
     def __len__(self) -> int:
         return len(self._records)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
 
     def contains(self, key: str) -> bool:
         with self._lock:
