@@ -1,9 +1,11 @@
 """Host-side slot and page allocators with SGLang's semantics, vectorised in numpy.
 
 Slot `s` lives in page `s // page_size`; page 0 is the padding sink and is never handed out.
-Freed pages wait in a release list and are merged into the free list, sorted, only when the
-free list runs short (SGLang's `need_sort` allocator), so a scheduler ported from SGLang sees
-the same slots in the same order. Unlike SGLang, a page freed twice is never listed twice.
+Freed pages wait in a release list and are merged into the free list, sorted, at the moments
+SGLang's `need_sort` allocator merges them (`alloc` short of pages, `alloc_extend` when its upper
+bound on new pages exceeds the free list, `alloc_decode` when the batch does), so a scheduler
+ported from SGLang sees the same slots in the same order. Unlike SGLang, a page freed twice is
+never listed twice.
 
 Example:
     >>> a = PagedAllocator(size=16, page_size=4)
@@ -65,12 +67,20 @@ class _PageFreeList:
         """Free tokens (whole free pages times the page size)."""
         return (self._free.size + self._release.size) * self.page_size
 
-    def _take_pages(self, n: int) -> np.ndarray | None:
-        if n > self._free.size:
-            if n > self._free.size + self._release.size:
-                return None
+    def _merge_if_short(self, bound: int) -> None:
+        """SGLang's `merge_and_sort_free`: when the free list holds fewer than `bound` pages,
+        released pages are merged into it, sorted. The bound differs per call (see callers);
+        matching it is what keeps slot order equal to SGLang's after frees."""
+        if bound > self._free.size and self._release.size:
             self._free = np.sort(np.concatenate([self._free, self._release]))
             self._release = np.zeros(0, np.int64)
+
+    def _take_pages(self, n: int, merge_bound: int | None = None) -> np.ndarray | None:
+        """The first `n` free pages, merging released pages first when the free list holds
+        fewer than `merge_bound` (default `n`); `None`, taking nothing, when short."""
+        self._merge_if_short(n if merge_bound is None else merge_bound)
+        if n > self._free.size:
+            return None
         pages, self._free = self._free[:n], self._free[n:]
         self._is_free[pages] = False
         return pages
@@ -150,7 +160,9 @@ class PagedAllocator(_PageFreeList):
         n_partial = np.minimum(seq, held) - prefix
         self._check_last_loc(last, prefix, n_partial > 0)
         new_pages = _ceil_div(seq, p) - _ceil_div(prefix, p)
-        pages = self._take_pages(int(new_pages.sum()))
+        # SGLang merges on an upper bound of the pages needed, not the exact count.
+        bound = int((seq - prefix).sum()) // p + seq.size + 1
+        pages = self._take_pages(int(new_pages.sum()), merge_bound=bound)
         if pages is None:
             return None
         n_new = seq - prefix
@@ -179,7 +191,8 @@ class PagedAllocator(_PageFreeList):
             )
         starts_page = (seq - 1) % self.page_size == 0
         self._check_last_loc(last, seq - 1, ~starts_page)
-        pages = self._take_pages(int(starts_page.sum()))
+        # SGLang merges when the batch outnumbers the free pages, whatever the pages needed.
+        pages = self._take_pages(int(starts_page.sum()), merge_bound=seq.size)
         if pages is None:
             return None
         out = last + 1
@@ -215,16 +228,30 @@ _write_row_copy = jax.jit(_write_row)
 
 
 class _RowFreeList:
+    """Free request rows `1..size` (row 0 is the padding row), shared by the `ReqToTokenPool`s
+    one `write` chain returns."""
+
     def __init__(self, size: int):
         self.size = size
-        self.free_slots = list(range(size))
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_slots = list(range(1, self.size + 1))
 
 
 class ReqToTokenPool:
-    """Request rows -> token slots table: `req_to_token` int32 `(size, max_context_len)`.
+    """Request rows -> token slots table: `req_to_token` int32 `(size + 1, max_context_len)`.
 
+    Row 0 is a padding row that is never handed out: padded batches point their dummy requests
+    at it, as in SGLang. Rows `1..size` are handed out the way SGLang does it: `alloc(n)` takes
+    the last `n` free rows, and `free` appends, so a freed row is the next one handed out.
     Row bookkeeping (`alloc`, `free`) is host-side and shared by every `ReqToTokenPool`
     returned from `write`; the table itself is a device array updated functionally.
+
+    Example:
+        >>> rtt = ReqToTokenPool(size=4, max_context_len=8)
+        >>> rtt.alloc(2)
+        [3, 4]
     """
 
     def __init__(self, size: int, max_context_len: int, *, _rows=None, _table=None):
@@ -234,19 +261,22 @@ class ReqToTokenPool:
         self.req_to_token = (
             _table
             if _table is not None
-            else jnp.zeros((self.size, self.max_context_len), jnp.int32)
+            else jnp.zeros((self.size + 1, self.max_context_len), jnp.int32)
         )
 
     def available_size(self) -> int:
         return len(self._rows.free_slots)
 
     def alloc(self, need_size: int = 1) -> list[int] | None:
-        """`need_size` free rows, or `None` (taking none) when fewer are free."""
+        """`need_size` free rows (never row 0), or `None` (taking none) when fewer are free."""
         need_size = _count("need_size", need_size)
         free = self._rows.free_slots
         if need_size > len(free):
             return None
-        out, self._rows.free_slots = free[:need_size], free[need_size:]
+        if need_size == 0:
+            return []
+        out = free[-need_size:]
+        del free[-need_size:]
         return out
 
     def free(self, free_index) -> None:
@@ -254,8 +284,11 @@ class ReqToTokenPool:
         ignored, so a double free never hands one row to two requests."""
         rows = [free_index] if isinstance(free_index, (int, np.integer)) else list(free_index)
         for r in rows:
-            if not 0 <= int(r) < self.size:
-                raise IndexError(f"free_index: expected rows in [0, {self.size}), got {r}")
+            if not 1 <= int(r) <= self.size:
+                raise IndexError(
+                    f"free_index: expected rows in [1, {self.size}] (row 0 is the padding row), "
+                    f"got {r}"
+                )
         free = self._rows.free_slots
         listed = set(free)
         for r in rows:
@@ -264,17 +297,18 @@ class ReqToTokenPool:
                 listed.add(int(r))
 
     def clear(self) -> None:
-        self._rows.free_slots = list(range(self.size))
+        self._rows.clear()
 
     def write(self, row: int, start: int, slots, *, donate: bool = True) -> ReqToTokenPool:
         """A new pool with `req_to_token[row, start:start+len(slots)] = slots`.
 
-        Eagerly the old table is donated (use the returned pool from then on); `donate=False`
-        keeps it valid at the cost of a full copy.
+        `row` may be any row of the table, the padding row 0 included. Eagerly the old table is
+        donated (use the returned pool from then on); `donate=False` keeps it valid at the
+        cost of a full copy.
         """
         slots = _int_vector("slots", slots)
-        if not 0 <= row < self.size:
-            raise IndexError(f"row: expected a row in [0, {self.size}), got {row}")
+        if not 0 <= row <= self.size:
+            raise IndexError(f"row: expected a row in [0, {self.size}], got {row}")
         if start < 0 or start + slots.size > self.max_context_len:
             raise IndexError(
                 f"start: expected 0 <= start and start + len(slots) <= {self.max_context_len}, "

@@ -77,16 +77,16 @@ def test_token_allocator_fresh_hands_out_slots_1_to_size():
     np.testing.assert_array_equal(a.alloc(0), np.zeros(0, int))
 
 
-def test_token_allocator_alloc_returns_none_when_short_and_keeps_state():
-    def make():
-        return TokenAllocator(10)
-
-    ops = [lambda a: a.alloc(6), lambda a: a.free([2, 4])]
-    a, b = _twins(make, ops)
+def test_token_allocator_alloc_returns_none_when_short_and_takes_nothing():
+    a = TokenAllocator(10)
+    a.alloc(6)
+    a.free([4, 2])
     assert a.available_size() == 6
     assert a.alloc(7) is None
     assert a.available_size() == 6
-    _assert_same_state(a, b, 1)
+    # As in SGLang, the short call has merged the release list (sorted) into the free list: the
+    # same slots are free, now in merged order.
+    assert _drain(a, 1) == [2, 4, 7, 8, 9, 10]
 
 
 def test_token_allocator_free_ignores_page0_out_of_range_negative_and_duplicates():
@@ -191,7 +191,7 @@ def test_paged_alloc_needs_a_multiple_of_page_size(n):
     np.testing.assert_array_equal(a.alloc(4), [4, 5, 6, 7])
 
 
-def test_paged_alloc_returns_none_when_short_and_keeps_state():
+def test_paged_alloc_returns_none_when_short_and_takes_nothing():
     def make():
         return PagedAllocator(24, 4)
 
@@ -201,10 +201,11 @@ def test_paged_alloc_returns_none_when_short_and_keeps_state():
     assert a.available_size() == 16
     assert a.alloc(20) is None
     assert a.available_size() == 16
-    # A failed alloc must not merge the release list either: 4 pages are still next.
-    np.testing.assert_array_equal(a.alloc(4), [16, 17, 18, 19])
-    b.alloc(4)
-    _assert_same_state(a, b, 4)
+    # As in SGLang, the short call merged the release list: page 2 now comes first.
+    np.testing.assert_array_equal(a.alloc(4), [8, 9, 10, 11])
+    assert _drain(a, 4) == list(range(16, 28))
+    # Its twin, which never made the short call, merges only when it runs short.
+    assert _drain(b, 4) == list(range(16, 28)) + [8, 9, 10, 11]
 
 
 def test_paged_free_is_page_granular():
@@ -418,7 +419,10 @@ def test_alloc_extend_returns_none_and_consumes_nothing_when_short():
     # 6 new pages wanted, 5 free; the first request alone would fit.
     assert a.alloc_extend([0, 0], [4, 20], [-1, -1]) is None
     assert a.available_size() == 20
-    _assert_same_state(a, b, 4)
+    # Nothing taken; as in SGLang, the call's bound (24 // 4 + 2 + 1 pages) exceeded the free
+    # list, so it merged the release list: released page 1 now comes first.
+    assert _drain(a, 4) == [4, 5, 6, 7, *range(12, 28)]
+    assert _drain(b, 4) == [*range(12, 28), 4, 5, 6, 7]
 
 
 @pytest.mark.parametrize(
@@ -535,7 +539,10 @@ def test_alloc_decode_returns_none_and_consumes_nothing_when_short():
     a, b = _twins(make, [])
     assert a.alloc_decode([1, 5, 9, 1], [-1, 11, 15, -1]) is None
     assert a.available_size() == 12
-    _assert_same_state(a, b, 4)
+    # Nothing taken; the batch (4) outnumbered the free pages (2), so as in SGLang the release
+    # list was merged: page 1 comes first now.
+    assert _drain(a, 4) == [4, 5, 6, 7, *range(12, 20)]
+    assert _drain(b, 4) == [*range(12, 20), 4, 5, 6, 7]
 
 
 def test_alloc_decode_page_size_1_takes_a_slot_per_token():
@@ -552,8 +559,10 @@ def test_alloc_extend_page_size_1():
     a = PagedAllocator(8, 1)
     a.alloc(2)
     a.free([1])
-    np.testing.assert_array_equal(a.alloc_extend([1, 0], [3, 3], [2, -1]), [3, 4, 5, 6, 7])
-    np.testing.assert_array_equal(a.alloc_extend([0], [2], [-1]), [1, 8])
+    # SGLang's bound (5 tokens // 1 + 2 requests + 1 = 8) exceeds the 6 free pages, so the
+    # released slot 1 is merged in first and handed out first.
+    np.testing.assert_array_equal(a.alloc_extend([1, 0], [3, 3], [2, -1]), [1, 3, 4, 5, 6])
+    np.testing.assert_array_equal(a.alloc_extend([0], [2], [-1]), [7, 8])
 
 
 def test_alloc_decode_rejects_mismatched_lengths():
@@ -595,12 +604,14 @@ class _Model:
     def available(self) -> int:
         return (len(self.free_list) + len(self.release)) * self.p
 
-    def take(self, n: int) -> list[int] | None:
-        if n > len(self.free_list):
-            if n > len(self.free_list) + len(self.release):
-                return None
+    def take(self, n: int, bound: int | None = None) -> list[int] | None:
+        """SGLang: merge the release list (sorted) when the free list holds fewer pages than
+        the call's bound (`n` for `alloc`), then take `n` pages or fail."""
+        if (n if bound is None else bound) > len(self.free_list):
             self.free_list = sorted(self.free_list + self.release)
             self.release = []
+        if n > len(self.free_list):
+            return None
         out, self.free_list = self.free_list[:n], self.free_list[n:]
         return out
 
@@ -615,15 +626,21 @@ class _Model:
         pages = self.take(n // self.p)
         return None if pages is None else [q * self.p + o for q in pages for o in range(self.p)]
 
-    def extend(self, held: list[list[int]], new: list[int]) -> list[list[int]] | None:
-        """New slots for each request holding `held[i]` slots and getting `new[i]` tokens."""
+    def extend(
+        self, held: list[list[int]], new: list[int], decode: bool = False
+    ) -> list[list[int]] | None:
+        """New slots for each request holding `held[i]` slots and getting `new[i]` tokens.
+
+        SGLang's merge bound: `alloc_extend` merges when `sum(new) // p + batch + 1` pages
+        exceed the free list, `alloc_decode` when the batch does."""
         starts = sum(
             1
             for h, k in zip(held, new, strict=True)
             for i in range(len(h), len(h) + k)
             if i % self.p == 0
         )
-        pages = self.take(starts)
+        bound = len(held) if decode else sum(new) // self.p + len(held) + 1
+        pages = self.take(starts, bound)
         if pages is None:
             return None
         pages.reverse()
@@ -718,7 +735,7 @@ def test_allocators_match_reference_model(data, alloc_spec):
             )
             held = [reqs[i] for i in ids]
             got = a.alloc_decode([len(h) + 1 for h in held], [h[-1] if h else -1 for h in held])
-            want = model.extend(held, [1] * len(held))
+            want = model.extend(held, [1] * len(held), decode=True)
             if want is None:
                 assert got is None
             else:
@@ -758,22 +775,36 @@ def test_allocators_match_reference_model(data, alloc_spec):
 
 
 def test_req_to_token_pool_table_shape_and_dtype():
+    # One more row than requests: row 0 is the padding row padded batches point at.
     pool = ReqToTokenPool(4, 8)
-    chex.assert_shape(pool.req_to_token, (4, 8))
+    chex.assert_shape(pool.req_to_token, (5, 8))
     chex.assert_type(pool.req_to_token, jnp.int32)
     assert pool.available_size() == 4
+
+
+def test_req_to_token_pool_never_hands_out_row_0_and_takes_from_the_tail():
+    pool = ReqToTokenPool(4, 8)
+    # SGLang pops the last free rows; a freed row goes to the tail and is handed out next.
+    assert pool.alloc(2) == [3, 4]
+    assert pool.alloc(1) == [2]
+    pool.free(3)
+    assert pool.alloc(2) == [1, 3]
+    assert pool.alloc(1) is None
+    pool.free([4, 2])
+    pool.clear()
+    assert pool.alloc(4) == [1, 2, 3, 4]
 
 
 def test_req_to_token_pool_alloc_is_all_or_nothing():
     pool = ReqToTokenPool(4, 8)
     rows = pool.alloc(3)
     assert isinstance(rows, list) and len(set(rows)) == 3
-    assert all(0 <= r < 4 for r in rows)
+    assert all(1 <= r <= 4 for r in rows)
     assert pool.available_size() == 1
     assert pool.alloc(2) is None
     assert pool.available_size() == 1
     (last,) = pool.alloc(1)
-    assert sorted([*rows, last]) == [0, 1, 2, 3]
+    assert sorted([*rows, last]) == [1, 2, 3, 4]
     assert pool.alloc(1) is None
     assert pool.alloc(0) == []
 
@@ -788,8 +819,9 @@ def test_req_to_token_pool_alloc_default_and_free():
     assert pool.alloc(1) == [r]
     pool.free(rows)
     pool.free(np.int64(r))
+    pool.free(r)  # a double free never lists a row twice
     assert pool.available_size() == 3
-    assert sorted(pool.alloc(3)) == [0, 1, 2]
+    assert sorted(pool.alloc(3)) == [1, 2, 3]
 
 
 def test_req_to_token_pool_rejects_negative_alloc():
@@ -807,9 +839,12 @@ def test_req_to_token_pool_rejects_non_positive_sizes(size, ctx):
 
 def test_req_to_token_pool_free_rejects_bad_rows():
     pool = ReqToTokenPool(3, 4)
-    for bad in (3, -1, [0, 7]):
-        with pytest.raises((IndexError, ValueError)):
+    pool.alloc(3)
+    for bad in (4, -1, 0, [1, 7]):
+        with pytest.raises((IndexError, ValueError), match="free_index"):
             pool.free(bad)
+    # Row 0 is the padding row: freeing it would hand it to a request.
+    assert pool.available_size() == 0
 
 
 def test_req_to_token_pool_write_sets_the_row_slice():
@@ -818,35 +853,37 @@ def test_req_to_token_pool_write_sets_the_row_slice():
     writes = [
         (1, 2, [5, 6, 7]),
         (1, 0, [9]),
-        (3, 0, np.arange(20, 28)),
-        (0, 7, [4]),
+        (4, 0, np.arange(20, 28)),
+        (0, 7, [4]),  # the padding row can be written (padded batches do)
         (2, 3, []),
         (1, 3, np.array([11, 12], np.int64)),
     ]
     for row, start, slots in writes:
         pool = pool.write(row, start, slots)
         want[row, start : start + len(slots)] = slots
-        chex.assert_shape(pool.req_to_token, (4, 8))
+        chex.assert_shape(pool.req_to_token, (5, 8))
         chex.assert_type(pool.req_to_token, jnp.int32)
         np.testing.assert_array_equal(np.asarray(pool.req_to_token), want)
 
 
 def test_req_to_token_pool_write_donates_the_old_table_by_default():
     old = ReqToTokenPool(2, 4)
-    new = old.write(0, 1, [3, 4])
+    new = old.write(1, 1, [3, 4])
     assert isinstance(new, ReqToTokenPool)
     with pytest.raises(RuntimeError):
         np.asarray(old.req_to_token)
-    np.testing.assert_array_equal(np.asarray(new.req_to_token), [[0, 3, 4, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        np.asarray(new.req_to_token), [[0, 0, 0, 0], [0, 3, 4, 0], [0, 0, 0, 0]]
+    )
 
 
 def test_req_to_token_pool_write_keeps_the_old_table_with_donate_false():
-    old = ReqToTokenPool(2, 4).write(1, 0, [7])
+    old = ReqToTokenPool(2, 4).write(2, 0, [7])
     before = np.asarray(old.req_to_token).copy()
-    new = old.write(0, 0, [1, 2, 3, 4], donate=False)
+    new = old.write(1, 0, [1, 2, 3, 4], donate=False)
     np.testing.assert_array_equal(np.asarray(old.req_to_token), before)
     want = before.copy()
-    want[0] = [1, 2, 3, 4]
+    want[1] = [1, 2, 3, 4]
     np.testing.assert_array_equal(np.asarray(new.req_to_token), want)
 
 
@@ -859,11 +896,11 @@ def test_req_to_token_pool_write_shares_row_bookkeeping():
     assert old.available_size() == 1
     old.free(got)
     assert new.available_size() == 3
-    assert sorted(rows + new.alloc(3)) == [0, 1, 2, 3]
+    assert sorted(rows + new.alloc(3)) == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(
-    "row, start, n", [(4, 0, 1), (-1, 0, 1), (0, -1, 1), (0, 6, 3), (0, 9, 0), (0, 0, 9)]
+    "row, start, n", [(5, 0, 1), (-1, 0, 1), (1, -1, 1), (1, 6, 3), (1, 9, 0), (1, 0, 9)]
 )
 def test_req_to_token_pool_write_rejects_bad_row_or_start(row, start, n):
     pool = ReqToTokenPool(4, 8).write(1, 0, [5, 6])
