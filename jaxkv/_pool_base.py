@@ -241,13 +241,10 @@ class PoolBase:
                 self.check_shape(arg, part, (n, *tail))
             for part in parts:
                 _dtypes.check_value_dtype(part, w.arg)
-                if w.scale is not None and part.dtype == self.store_dtype != self.dtype:
-                    raise ValueError(
-                        f"{w.arg}: {part.dtype} values are raw bits in the store dtype; a scale "
-                        f"cannot apply to them (pass {self.dtype.name} or float values)"
-                    )
+            if w.scale is not None and not _dtypes.scale_applies(parts[0].dtype, self.dtype):
+                writes[i] = w = w._replace(scale=None)
             self.check_shape(w.arg, w.value, (n, *(spec.value_shape or spec.row_shape)))
-            if eager and w.scale is None and isinstance(spec.codec, _kernels.RowCodec):
+            if eager and isinstance(spec.codec, _kernels.RowCodec):
                 bits = tuple(_dtypes.host_bits(p, self.dtype) for p in parts)
                 writes[i] = w._replace(value=bits if isinstance(w.value, tuple) else bits[0])
         new = _kernels.apply_writes(

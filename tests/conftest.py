@@ -8,10 +8,9 @@ The references are written from API.md, independently of jaxkv's code:
 * `quantize_index_ref` / `index_pages_ref`: NSA indexer records, scale = amax / 448 in float32,
   keys = clip(x / scale) as fp8-e4m3, packed into SGLang's page layout.
 
-Scaled writes do float32 arithmetic on the device. XLA:CPU runs it with subnormals flushed to
-zero (inputs and results, sign kept), so the references do the same when the backend does
-(`flushes_subnormals()`, measured once). Only scaled writes and NSA scales are affected:
-plain casts keep subnormals bit-exactly.
+Scaled writes and NSA scales divide in float32. jaxkv's division is IEEE on every backend with
+subnormal inputs and results taken as zero (sign kept), as XLA:CPU's arithmetic has them, so the
+references flush around each division on every backend. Plain casts keep subnormals bit-exactly.
 """
 
 from __future__ import annotations
@@ -55,13 +54,6 @@ SMALL = {
     ),
 }
 E4M3_MAX = np.float32(448.0)
-
-
-@functools.cache
-def flushes_subnormals() -> bool:
-    """Whether the backend's float32 arithmetic flushes subnormals to zero (XLA:CPU does)."""
-    tiny = np.float32(np.finfo(np.float32).smallest_subnormal * 8)
-    return float(jax.jit(jnp.divide)(tiny, np.float32(1.0))) == 0.0
 
 
 def make_pool(kind: str, dtype=jnp.bfloat16, **overrides):
@@ -140,10 +132,9 @@ def snapshot(pool, kind: str) -> dict[str, list[np.ndarray]]:
 
 
 def flush_subnormals(x) -> np.ndarray:
-    """float32 `x` with subnormals replaced by zeros of the same sign, where XLA does that."""
+    """float32 `x` with subnormals replaced by zeros of the same sign (jaxkv's division does
+    that on every backend)."""
     x = np.asarray(x, np.float32)
-    if not flushes_subnormals():
-        return x
     tiny = np.finfo(np.float32).tiny
     return np.where(np.abs(x) < tiny, np.copysign(np.float32(0.0), x), x).astype(np.float32)
 
@@ -156,6 +147,8 @@ def as_float32(values) -> np.ndarray:
 def encode_ref(values, dtype, scale=None) -> np.ndarray:
     """The stored bits (store dtype) of `values` written into a pool of logical `dtype`."""
     dtype = jnp.dtype(dtype)
+    if np.asarray(values).dtype == dtype:
+        scale = None  # a value already in the pool dtype is stored as it is (SGLang)
     x = as_float32(values)
     if scale is not None:
         with np.errstate(over="ignore", divide="ignore"):
@@ -230,7 +223,6 @@ class Helpers:
     snapshot = staticmethod(snapshot)
     row_buffer_names = staticmethod(row_buffer_names)
     buffer_names = staticmethod(buffer_names)
-    flushes_subnormals = staticmethod(flushes_subnormals)
     flush_subnormals = staticmethod(flush_subnormals)
     encode_ref = staticmethod(encode_ref)
     decode_ref = staticmethod(decode_ref)

@@ -629,11 +629,29 @@ def test_scale_divides_exactly_in_float32(kv):
     pool = kv.make_pool("konly", jnp.float32)
     x = np.array([3.0, 1.0, 2315.873, -6.8436863e15, 7.0, 0.1], np.float32)
     k = np.broadcast_to(x[:, None, None], (6, pool.head_num, pool.head_dim))
-    new = pool.set_k(0, np.arange(6), k, k_scale=0.37)
+    # float64 input needs converting, so it is divided (in float32) before the cast.
+    new = pool.set_k(0, np.arange(6), k.astype(np.float64), k_scale=0.37)
     got = kv.host(new.get_key_buffer(0))[:6, 0, 0]
     assert kv.same_bits(got, x / np.float32(0.37))  # IEEE quotient, not x * (1 / 0.37)
     new = new.set_k(0, np.array([0]), np.full((1, 2, 4), 3.0), k_scale=2.0)
     assert float(new.get_key_buffer(0)[0, 0, 0]) == 1.5
+
+
+@pytest.mark.parametrize("kind", ["mha", "konly", "mla"])
+def test_scale_is_ignored_for_values_already_in_the_pool_dtype(kv, kind, pool_dtype):
+    # SGLang divides by the scale only when it converts a value to the pool dtype: values in
+    # the pool dtype, or raw bits in its store dtype, are stored as they are.
+    pool = kv.make_pool(kind, pool_dtype)
+    row = kv.key_row_shape(pool)
+    x = kv.random_values(np.random.default_rng(12), (3, *row)).astype(np.float32)
+    same = jnp.asarray(x).astype(pool_dtype)
+    loc = np.array([1, 2, 3])
+    new = pool.set_k(0, loc, same, k_scale=0.37, donate=False)
+    buf = "kv_buffer" if kind == "mla" else "k_buffer"
+    want = kv.host(same).view(pool.store_dtype)
+    assert kv.same_bits(kv.host(getattr(new, buf)[0])[loc], want)
+    new = pool.set_k(0, loc, want, k_scale=0.37)  # raw bits
+    assert kv.same_bits(kv.host(getattr(new, buf)[0])[loc], want)
 
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
