@@ -119,17 +119,16 @@ def correct_quotient(q: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return q + _residual(a, b, q) / b
 
 
-def _significand(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`|x|` of a normal float32 as `(s, e)`: `s` in [0.5, 1) and `|x| == s * 2**(e - 126)`."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    s = jax.lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F000000, jnp.float32)
-    return s, ((bits >> 23) & 0xFF).astype(jnp.int32)
+def _bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
 
 
-def _pow2(k: jax.Array) -> jax.Array:
-    """`2.0**k` for int32 `k`, clipped to the normal exponents [-126, 127]."""
-    biased = (jnp.clip(k, -126, 127) + 127).astype(jnp.uint32) << 23
-    return jax.lax.bitcast_convert_type(biased, jnp.float32)
+def _significand(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A normal float32 `|x|` (as bits) as `(s, e)`: `s` in [0.5, 1), `|x| == s * 2**(e-126)`."""
+    s = jax.lax.bitcast_convert_type(
+        (bits & np.uint32(0x007FFFFF)) | np.uint32(0x3F000000), jnp.float32
+    )
+    return s, ((bits >> 23) & np.uint32(0xFF)).astype(jnp.int32)
 
 
 def divide(x, y) -> jax.Array:
@@ -139,21 +138,25 @@ def divide(x, y) -> jax.Array:
     Backends do not agree on division: XLA:GPU's float32 division is not correctly rounded
     (over 4.2M random quotients, 41.5% differed from IEEE on an H200), and XLA's simplifier
     rewrites a division by a broadcast as a multiplication by the reciprocal (one ulp off for
-    about half of all inputs). So the backend's quotient of the significands is only an
-    estimate, corrected from its exact residual (`correct_quotient`) and scaled back by the
-    exponent difference in two exact power-of-two steps. Subnormal inputs and results are zero
-    (sign kept) on every backend, as XLA:CPU's arithmetic has them; zeros, infinities and NaN
-    follow IEEE.
+    about half of all inputs). So the backend's quotient of the two significands is only an
+    estimate, corrected from its exact residual (`correct_quotient`); the result's exponent is
+    then assembled with integer arithmetic, which no backend rounds or flushes. Subnormal
+    inputs and results are zero (sign kept) on every backend, as XLA:CPU's arithmetic has them;
+    zeros, infinities and NaN follow IEEE.
     """
     x = _flush(jnp.asarray(x, jnp.float32))
     y = _flush(jnp.broadcast_to(jnp.asarray(y, jnp.float32), x.shape))
     plain = x / jax.lax.optimization_barrier(y)
-    a, ex = _significand(x)
-    b, ey = _significand(y)
-    m = correct_quotient(a / jax.lax.optimization_barrier(b), a, b)
-    d = ex - ey
-    half = d // 2  # both halves stay normal whenever the quotient is
-    exact = jnp.copysign(m * _pow2(half) * _pow2(d - half), plain)
+    xb, yb = _bits(x), _bits(y)
+    a, ex = _significand(xb)
+    b, ey = _significand(yb)
+    m = _bits(correct_quotient(a / jax.lax.optimization_barrier(b), a, b))  # in (0.5, 2)
+    # m's biased exponent is 126 or 127; shifting it by ex - ey gives the quotient's.
+    e = ((m >> 23) & np.uint32(0xFF)).astype(jnp.int32) + ex - ey
+    sign = (xb ^ yb) & np.uint32(0x80000000)
+    normal = (jnp.clip(e, 1, 254).astype(jnp.uint32) << 23) | (m & np.uint32(0x007FFFFF))
+    exact = jnp.where(e >= 255, np.uint32(0x7F800000), jnp.where(e <= 0, np.uint32(0), normal))
+    exact = jax.lax.bitcast_convert_type(sign | exact, jnp.float32)
     regular = jnp.isfinite(x) & jnp.isfinite(y) & (x != 0) & (y != 0)
     return _flush(jnp.where(regular, exact, plain))
 

@@ -24,8 +24,16 @@ FP8_E4M3_MAX = 448.0
 
 
 def _drop_scatter(buf: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
-    # wrap_negative_indices=False: with mode="drop" alone, -1 still wraps to the last row.
-    return buf.at[idx].set(rows, mode="drop", wrap_negative_indices=False)
+    """`buf[idx] = rows`, dropping out-of-range entries.
+
+    wrap_negative_indices=False: with mode="drop" alone, -1 still wraps to the last row.
+    unique_indices=True: the slots of one update are distinct rows (allocators hand out each
+    slot once), and saying so lets XLA:GPU scatter without atomics: 100 us instead of 529 us for
+    65,536 rows of 8x128 bf16 on an H200, 82% of its copy rate. A caller that repeats a slot
+    in one call gets one of the repeating tokens' values in that row (on accelerators possibly
+    mixed element by element); out-of-range entries may repeat freely, they are dropped.
+    """
+    return buf.at[idx].set(rows, mode="drop", wrap_negative_indices=False, unique_indices=True)
 
 
 def _fill_gather(buf: jax.Array, idx: jax.Array) -> jax.Array:

@@ -3,7 +3,8 @@
 Each pool is an immutable pytree of per-layer buffers in `store_dtype`. Updates are functional:
 they return a new pool and, eagerly, donate the buffers they replace (`donate=True`), so the
 cost of a write grows with the tokens written, never with the pool. Under a donating `jax.jit`
-they are in place. Slots outside `[0, size + page_size)` are dropped, never wrapped.
+they are in place. Slots outside `[0, size + page_size)` are dropped, never wrapped; the slots
+of one update are distinct rows (scatters declare it, which keeps them at the device copy rate).
 
 Example:
     >>> pool = MHAPool.create(size=64, head_num=2, head_dim=4, layer_num=1)
@@ -52,7 +53,10 @@ class _KeyedPool(PoolBase):
 
         Args:
             layer_id: global layer id in `range(start_layer, start_layer + layer_num)`.
-            loc: int slots `(T,)`; entries outside `[0, size + page_size)` are dropped.
+            loc: int slots `(T,)`, distinct within one call; entries outside
+                `[0, size + page_size)` are dropped (so `-1` pads). A slot repeated in one call
+                leaves that row holding one of its tokens' values (on accelerators possibly
+                mixed element by element); no other row is touched.
             cache_k: any float array, converted to the pool dtype (fp8 saturates).
             k_scale: optional scalar; `cache_k / k_scale` is stored.
             donate: eagerly, hand the replaced buffer to the new pool (O(T)); `False` keeps the

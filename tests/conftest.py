@@ -15,8 +15,6 @@ references flush around each division on every backend. Plain casts keep subnorm
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes

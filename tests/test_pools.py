@@ -972,3 +972,19 @@ def test_sharding_places_every_buffer_and_updates_keep_it(kv, pool_kind, device_
     pool = step(pool, jnp.array([4, 5]))
     for leaf in jax.tree_util.tree_leaves(pool):
         assert leaf.sharding == device_sharding
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_slot_repeated_in_one_call_gets_one_of_its_tokens_and_touches_no_other_row(kv, kind):
+    # Scatters declare distinct slots; a caller that repeats one gets, per element, the value of
+    # one of the tokens written there (which one is the backend's choice), and nothing else moves.
+    pool = kv.make_pool(kind, jnp.float32)
+    row = kv.key_row_shape(pool)
+    rng = np.random.default_rng(21)
+    x = kv.random_values(rng, (4, *row))
+    new = pool.set_k(0, np.array([3, 5, 3, 3]), x)
+    buf = kv.host(new.get_key_buffer(0))
+    assert np.all((buf[3] == x[0]) | (buf[3] == x[2]) | (buf[3] == x[3]))
+    np.testing.assert_array_equal(buf[5], x[1])
+    others = np.delete(buf, [3, 5], axis=0)
+    assert not np.any(others)
