@@ -430,8 +430,8 @@ class NSAPool(_LatentPool):
         return self._decode_rows(self.layer_buffer("kv_buffer", self.layer_index(layer_id)))
 
     def set_k(self, layer_id, loc, cache_k, k_scale=None, *, donate=True, check_bounds=False):
-        """Writes latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; see
-        `_KeyedPool.set_k`.
+        """Writes latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; arguments as
+        for `MLAPool.set_k`.
 
         Packed fp8 rows: float values are quantised per tile (SGLang's writer); raw packed rows,
         uint8 `(T, 1, kv_lora_rank + 4 * (kv_lora_rank // 128) + 2 * qk_rope_head_dim)`, are
