@@ -19,8 +19,10 @@ import numpy as np
 
 from jaxkv import _dtypes
 
-# fp8-e4m3 quantisation of NSA index keys: scale = amax / 448 per token (DeepSeek V3.2).
+# fp8-e4m3 quantisation of NSA index keys: scale = max(amax, 1e-4) / 448 per token (DeepSeek
+# V3.2; SGLang floors amax so an all-zero token gets a usable scale instead of zero).
 FP8_E4M3_MAX = 448.0
+INDEX_AMAX_FLOOR = 1e-4
 
 
 def _drop_scatter(buf: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
@@ -86,11 +88,13 @@ class IndexCodec:
         return (jnp.where(valid[:, None], keys, size), jnp.where(valid[:, None], scales, size))
 
     def quantize(self, values: jax.Array) -> jax.Array:
-        """float `(T, head_dim)` -> token records uint8 `(T, head_dim+4)`."""
+        """float `(T, head_dim)` -> token records uint8 `(T, head_dim+4)`; the scale is
+        `max(amax, 1e-4) / 448`, so an all-zero token stores zero keys and scale 1e-4 / 448."""
         x = values.astype(jnp.float32)
-        scale = _dtypes.divide(jnp.max(jnp.abs(x), axis=-1, keepdims=True), FP8_E4M3_MAX)
-        q = jnp.where(scale > 0, _dtypes.divide(x, jnp.where(scale > 0, scale, 1.0)), 0.0)
-        q = jnp.clip(q, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+        amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+        scale = _dtypes.divide(jnp.maximum(amax, INDEX_AMAX_FLOOR), FP8_E4M3_MAX)
+        q = jnp.clip(_dtypes.divide(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        q = q.astype(jnp.float8_e4m3fn)
         key_bits = jax.lax.bitcast_convert_type(q, jnp.uint8)
         scale_bits = jax.lax.bitcast_convert_type(scale[:, 0], jnp.uint8)  # (T, 4), little-endian
         return jnp.concatenate([key_bits, scale_bits], axis=-1)

@@ -49,6 +49,17 @@ class BufferSpec(NamedTuple):
     codec: _kernels.Codec
     value_shape: tuple[int, ...] | None = None
 
+    def input_shape(self, value) -> tuple[int, ...]:
+        """The per-token shape a setter's `value` must have: `value_shape` (else `row_shape`),
+        except that raw bits in the store dtype are whole stored rows of a token-major buffer
+        (NSA's packed fp8 rows take floats of the latent's shape, or raw packed rows)."""
+        raw = (
+            not isinstance(value, tuple)
+            and isinstance(self.codec, _kernels.RowCodec)
+            and value.dtype == self.store_dtype
+        )
+        return self.row_shape if raw or self.value_shape is None else self.value_shape
+
 
 def pool_pytree(cls):
     """Registers a pool dataclass: `BUFFERS` fields are data, all other fields are static."""
@@ -243,8 +254,10 @@ class PoolBase:
                 _dtypes.check_value_dtype(part, w.arg)
             if w.scale is not None and not _dtypes.scale_applies(parts[0].dtype, self.dtype):
                 writes[i] = w = w._replace(scale=None)
-            self.check_shape(w.arg, w.value, (n, *(spec.value_shape or spec.row_shape)))
-            if eager and isinstance(spec.codec, _kernels.RowCodec):
+            self.check_shape(w.arg, w.value, (n, *spec.input_shape(w.value)))
+            # Only where values are stored as their own bits can a host view stand in for them.
+            stored_as_is = spec.value_shape is None and isinstance(spec.codec, _kernels.RowCodec)
+            if eager and stored_as_is:
                 bits = tuple(_dtypes.host_bits(p, self.dtype) for p in parts)
                 writes[i] = w._replace(value=bits if isinstance(w.value, tuple) else bits[0])
         new = _kernels.apply_writes(

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxkv import _dtypes, _kernels
+from jaxkv import _dtypes, _kernels, _packed_fp8
 from jaxkv._pool_base import (
     BufferSpec,
     PoolBase,
@@ -250,9 +250,12 @@ class _LatentPool(_KeyedPool):
         li = self.layer_index(layer_id)
         spec = self._kv_spec()
         buf = self.layer_buffer("kv_buffer", li)
-        bits = _kernels.read_slots(spec.codec, buf, self.prepare_loc(loc))
-        rows = _dtypes.decode(bits, self.dtype)
+        rows = self._decode_rows(_kernels.read_slots(spec.codec, buf, self.prepare_loc(loc)))
         return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
+
+    def _decode_rows(self, bits: jax.Array) -> jax.Array:
+        """Stored latent rows -> the values readers return (here: the logical dtype)."""
+        return _dtypes.decode(bits, self.dtype)
 
     def set_kv(
         self,
@@ -328,7 +331,16 @@ class MLAPool(_LatentPool):
 class NSAPool(_LatentPool):
     """Native sparse attention pool (DeepSeek V3.2): MLA latent rows plus, per layer,
     `index_k_with_scale_buffer[l]` uint8 `(pages, page_size * (index_head_dim + 4))`: each page
-    holds its tokens' fp8-e4m3 index keys, then one little-endian float32 scale per token."""
+    holds its tokens' fp8-e4m3 index keys, then one little-endian float32 scale per token.
+
+    With an fp8 `dtype` (either one) the latent rows are SGLang's packed fp8 rows instead,
+    the layout FlashMLA reads: `kv_buffer[l]` uint8 `(rows, 1, kv_lora_rank + 4 *
+    (kv_lora_rank // 128) + 2 * qk_rope_head_dim)` (656 bytes for 512 + 64), holding the latent
+    as fp8-e4m3 codes in tiles of 128 values, one float32 scale per tile (`amax / 448`), then
+    the rope part as bfloat16. Setters quantise, readers dequantise to float32. SGLang itself
+    packs only for float8_e4m3fn (an e5m2 pool there keeps plain e5m2 rows); here an e5m2 pool
+    packs too, its tiles being e4m3 like every packed row.
+    """
 
     BUFFERS = ("kv_buffer", "index_k_with_scale_buffer")
     index_head_dim: int
@@ -349,7 +361,12 @@ class NSAPool(_LatentPool):
         start_layer=0,
         sharding=None,
     ) -> NSAPool:
-        """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
+        """Allocates a zeroed pool.
+
+        Raises:
+            ValueError: on non-positive sizes, a bad dtype, or (fp8 `dtype`) a `kv_lora_rank`
+                that is not a multiple of 128.
+        """
         require_positive(
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope_head_dim,
@@ -365,17 +382,33 @@ class NSAPool(_LatentPool):
         )
         dt = common["dtype"]
         rows = size + page_size
+        if _dtypes.is_fp8(dt):
+            _packed_fp8.check_rank(kv_lora_rank, dt)
+            row = (rows, 1, _packed_fp8.packed_width(kv_lora_rank, qk_rope_head_dim))
+            kv = zeros_buffers(layer_num, row, jnp.uint8, sharding)
+        else:
+            kv = cls._latent_buffers(layer_num, rows, kv_lora_rank, qk_rope_head_dim, dt, sharding)
         index_shape = (rows // page_size, page_size * (index_head_dim + 4))
         return cls(
             **common,
             kv_lora_rank=int(kv_lora_rank),
             qk_rope_head_dim=int(qk_rope_head_dim),
             index_head_dim=int(index_head_dim),
-            kv_buffer=cls._latent_buffers(
-                layer_num, rows, kv_lora_rank, qk_rope_head_dim, dt, sharding
-            ),
+            kv_buffer=kv,
             index_k_with_scale_buffer=zeros_buffers(layer_num, index_shape, jnp.uint8, sharding),
         )
+
+    @property
+    def packed_fp8(self) -> bool:
+        """Whether `kv_buffer` holds SGLang's packed fp8 rows (any fp8 `dtype`)."""
+        return _dtypes.is_fp8(self.dtype)
+
+    def _kv_spec(self) -> BufferSpec:
+        if not self.packed_fp8:
+            return super()._kv_spec()
+        codec = _packed_fp8.PackedFp8Codec(self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+        value = (1, self.kv_lora_rank + self.qk_rope_head_dim)
+        return BufferSpec("kv_buffer", (1, codec.width), jnp.dtype(jnp.uint8), codec, value)
 
     def _index_spec(self) -> BufferSpec:
         codec = _kernels.IndexCodec(self.page_size, self.index_head_dim)
@@ -387,6 +420,50 @@ class NSAPool(_LatentPool):
     def buffer_specs(self):
         return (self._kv_spec(), self._index_spec())
 
+    def _decode_rows(self, bits: jax.Array) -> jax.Array:
+        if not self.packed_fp8:
+            return super()._decode_rows(bits)
+        return _packed_fp8.dequantize(self._kv_spec().codec, bits)
+
+    def get_key_buffer(self, layer_id: int) -> jax.Array:
+        """The whole latent buffer of `layer_id`: `(rows, 1, kv_lora_rank + qk_rope_head_dim)`
+        in the logical dtype, or, for packed fp8 rows, dequantised to float32 (`code * scale`
+        in float32; casting it to bfloat16 gives SGLang's `dequantize_k_cache`)."""
+        if not self.packed_fp8:
+            return super().get_key_buffer(layer_id)
+        return self._decode_rows(self.layer_buffer("kv_buffer", self.layer_index(layer_id)))
+
+    def set_k(self, layer_id, loc, cache_k, k_scale=None, *, donate=True, check_bounds=False):
+        """Writes latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; arguments as
+        for `MLAPool.set_k`.
+
+        Packed fp8 rows: float values are quantised per tile (SGLang's writer); raw packed rows,
+        uint8 `(T, 1, kv_lora_rank + 4 * (kv_lora_rank // 128) + 2 * qk_rope_head_dim)`, are
+        stored as they are. `k_scale` is checked but not applied there: each tile carries its
+        own scale, and SGLang's packed writer takes no other.
+        """
+        if self.packed_fp8:
+            self.check_scale("k_scale", k_scale)
+            k_scale = None
+        return super().set_k(
+            layer_id, loc, cache_k, k_scale, donate=donate, check_bounds=check_bounds
+        )
+
+    def set_mla_kv(self, layer_id, loc, k_nope, k_rope, *, donate=True, check_bounds=False):
+        """Writes `k_nope (T, 1, kv_lora_rank)` and `k_rope (T, 1, qk_rope_head_dim)` as one
+        latent row per token (packed fp8 rows: quantised per tile, rope as bfloat16)."""
+        if self.packed_fp8:
+            for arg, part in (("k_nope", k_nope), ("k_rope", k_rope)):
+                if getattr(part, "dtype", None) == jnp.uint8:
+                    raise ValueError(
+                        f"{arg}: uint8 raw bits cannot be split into parts of a packed fp8 row; "
+                        "pass float values, or whole packed rows uint8 (T, 1, "
+                        f"{self._kv_spec().row_shape[-1]}) to set_k"
+                    )
+        return super().set_mla_kv(
+            layer_id, loc, k_nope, k_rope, donate=donate, check_bounds=check_bounds
+        )
+
     def get_index_k(self, layer_id: int, loc) -> jax.Array:
         """Dequantised index keys float32 `(T, index_head_dim)` at slots `loc`."""
         li = self.layer_index(layer_id)
@@ -396,6 +473,7 @@ class NSAPool(_LatentPool):
 
     def set_index_k(self, layer_id, loc, index_k, *, donate=True, check_bounds=False) -> NSAPool:
         """Quantises `index_k (T, index_head_dim)` per token to fp8-e4m3 with scale
-        `amax / 448` and packs keys and scales into each slot's page."""
+        `max(amax, 1e-4) / 448` (SGLang's floor) and packs keys and scales into each slot's
+        page."""
         write = Write("index_k_with_scale_buffer", "index_k", index_k)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)

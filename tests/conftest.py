@@ -5,12 +5,17 @@ The references are written from API.md, independently of jaxkv's code:
 * `encode_ref`: the bits a pool stores for a value. The value (divided by the scale, if any) is
   taken in float32, clipped to +-finfo.max for fp8, cast with ml_dtypes (round to nearest even)
   and viewed as the store dtype.
-* `quantize_index_ref` / `index_pages_ref`: NSA indexer records, scale = amax / 448 in float32,
-  keys = clip(x / scale) as fp8-e4m3, packed into SGLang's page layout.
+* `quantize_index_ref` / `index_pages_ref`: NSA indexer records, scale = max(amax, 1e-4) / 448
+  in float32, keys = clip(x / scale) as fp8-e4m3, packed into SGLang's page layout.
+* `pack_latent_ref` / `unpack_latent_ref`: NSA's packed fp8 latent rows (any fp8 pool dtype):
+  per tile of 128 latent values scale = amax / 448 and codes = fp8-e4m3(clip(x * (1 / scale)))
+  in float32 (0 * inf taken as a zero of x's sign), then the float32 scales (little-endian),
+  then the rope as bfloat16 (saturating); readers return code * scale and the rope, float32.
 
-Scaled writes and NSA scales divide in float32. jaxkv's division is IEEE on every backend with
-subnormal inputs and results taken as zero (sign kept), as XLA:CPU's arithmetic has them, so the
-references flush around each division on every backend. Plain casts keep subnormals bit-exactly.
+Scaled writes, NSA scales and packed rows divide in float32. jaxkv's division is IEEE on every
+backend with subnormal inputs and results taken as zero (sign kept), as XLA:CPU's arithmetic has
+them, so the references flush around each division on every backend. Plain casts keep
+subnormals bit-exactly.
 """
 
 from __future__ import annotations
@@ -51,12 +56,51 @@ SMALL = {
         size=8, page_size=4, kv_lora_rank=6, qk_rope_head_dim=2, index_head_dim=8, layer_num=2
     ),
 }
+# An fp8 NSA pool packs its latent in tiles of 128 values: its kv_lora_rank must be a multiple of
+# 128, so those pools take the smallest such rank (and keep a small rope).
+SMALL_PACKED_NSA = {"kv_lora_rank": 128}
 E4M3_MAX = np.float32(448.0)
+INDEX_AMAX_FLOOR = np.float32(1e-4)
+LATENT_TILE = 128
+
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _is_fp8(dtype) -> bool:
+    try:
+        return jnp.dtype(dtype) in FP8_DTYPES
+    except TypeError:  # not a dtype at all: the pool rejects it
+        return False
+
+
+def small(kind: str, dtype=jnp.bfloat16) -> dict:
+    """The small create() arguments of `kind` for pools of `dtype` (sizes only)."""
+    if kind == "nsa" and _is_fp8(dtype):
+        return {**SMALL[kind], **SMALL_PACKED_NSA}
+    return dict(SMALL[kind])
 
 
 def make_pool(kind: str, dtype=jnp.bfloat16, **overrides):
     """A small zeroed pool of `kind` ("mha", "konly", "mla", "nsa")."""
-    return POOL_CLASSES[kind].create(dtype=dtype, **{**SMALL[kind], **overrides})
+    return POOL_CLASSES[kind].create(dtype=dtype, **{**small(kind, dtype), **overrides})
+
+
+def is_packed(pool) -> bool:
+    """Whether `pool` keeps NSA's packed fp8 latent rows (an NSA pool of an fp8 dtype)."""
+    return hasattr(pool, "index_k_with_scale_buffer") and _is_fp8(pool.dtype)
+
+
+def packed_width(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+    """Bytes of a packed row: fp8 latent, a float32 scale per 128 values, bfloat16 rope."""
+    return kv_lora_rank + 4 * (kv_lora_rank // LATENT_TILE) + 2 * qk_rope_head_dim
+
+
+def kv_row_shape(pool) -> tuple[int, ...]:
+    """Per-token shape of an MLA/NSA pool's stored `kv_buffer` rows."""
+    if is_packed(pool):
+        return (1, packed_width(pool.kv_lora_rank, pool.qk_rope_head_dim))
+    return (1, pool.kv_lora_rank + pool.qk_rope_head_dim)
 
 
 def row_buffer_names(kind: str) -> tuple[str, ...]:
@@ -167,12 +211,72 @@ def quantize_index_ref(index_k) -> np.ndarray:
     """NSA records uint8 `(T, D + 4)`: fp8-e4m3 key bytes, then the float32 scale (LE)."""
     x = flush_subnormals(as_float32(index_k))
     amax = np.max(np.abs(x), axis=-1, keepdims=True)
-    scale = flush_subnormals(amax / E4M3_MAX)
-    safe = np.where(scale > 0, scale, np.float32(1.0))
-    q = np.where(scale > 0, flush_subnormals(x / safe), np.float32(0.0))
+    scale = flush_subnormals(np.maximum(amax, INDEX_AMAX_FLOOR) / E4M3_MAX)
+    q = flush_subnormals(x / scale)
     keys = np.clip(q, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     scale_bytes = scale.astype("<f4").view(np.uint8)
     return np.concatenate([keys, scale_bytes], axis=-1)
+
+
+def _saturate(x: np.ndarray, limit) -> np.ndarray:
+    """float32 `x` with magnitudes above `limit` (inf included) set to +-limit (NaN kept)."""
+    limit = np.float32(limit)
+    return np.where(np.abs(x) > limit, np.copysign(limit, x), x).astype(np.float32)
+
+
+def pack_latent_ref(k_nope, k_rope) -> np.ndarray:
+    """Packed NSA rows uint8 `(..., packed_width)` of latent `k_nope (..., L)` and `k_rope
+    (..., R)`: fp8-e4m3 codes, one float32 scale per 128 latent values, bfloat16 rope."""
+    x = flush_subnormals(_saturate(as_float32(k_nope), np.finfo(np.float32).max))
+    lead = x.shape[:-1]
+    tiles = x.reshape(*lead, -1, LATENT_TILE)
+    scale = flush_subnormals(np.max(np.abs(tiles), axis=-1, keepdims=True) / E4M3_MAX)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inverse = flush_subnormals(np.float32(1.0) / scale)
+        q = flush_subnormals(tiles * inverse)
+    q = np.where(np.isnan(q) & ~np.isnan(tiles), np.copysign(np.float32(0.0), tiles), q)
+    codes = np.clip(q, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    bf16_max = ml_dtypes.finfo(ml_dtypes.bfloat16).max
+    rope = _saturate(as_float32(k_rope), bf16_max).astype(ml_dtypes.bfloat16)
+    parts = (codes, scale.astype("<f4").view(np.uint8), rope.view(np.uint8))
+    return np.concatenate([p.reshape(*lead, -1) for p in parts], axis=-1)
+
+
+def unpack_latent_ref(rows, kv_lora_rank: int) -> np.ndarray:
+    """Packed rows uint8 `(..., packed_width)` -> float32 `(..., L + R)`: code * scale per latent
+    value (float32), then the rope values."""
+    rows = np.asarray(rows)
+    lead, tiles = rows.shape[:-1], kv_lora_rank // LATENT_TILE
+    codes = rows[..., :kv_lora_rank].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    scale = np.ascontiguousarray(rows[..., kv_lora_rank : kv_lora_rank + 4 * tiles]).view("<f4")
+    with np.errstate(invalid="ignore"):
+        nope = codes.reshape(*lead, tiles, LATENT_TILE) * scale[..., None]
+    nope = flush_subnormals(nope).reshape(*lead, kv_lora_rank)
+    rope = np.ascontiguousarray(rows[..., kv_lora_rank + 4 * tiles :]).view(ml_dtypes.bfloat16)
+    return np.concatenate([nope, rope.astype(np.float32)], axis=-1)
+
+
+def latent_rows_ref(pool, cache_k, scale=None) -> np.ndarray:
+    """The stored `kv_buffer` rows of latent rows `cache_k (T, 1, L + R)` written by `set_kv` or
+    `set_k` (packed rows take no scale: each tile carries its own)."""
+    if is_packed(pool):
+        x = np.asarray(cache_k)
+        return pack_latent_ref(x[..., : pool.kv_lora_rank], x[..., pool.kv_lora_rank :])
+    return encode_ref(cache_k, pool.dtype, scale)
+
+
+def mla_rows_ref(pool, k_nope, k_rope) -> np.ndarray:
+    """The stored `kv_buffer` rows that `set_mla_kv(k_nope, k_rope)` writes."""
+    if is_packed(pool):
+        return pack_latent_ref(k_nope, k_rope)
+    return np.concatenate([encode_ref(k_nope, pool.dtype), encode_ref(k_rope, pool.dtype)], -1)
+
+
+def latent_read_ref(pool, rows) -> np.ndarray:
+    """What latent readers return for stored rows, as float32 (packed rows: dequantised)."""
+    if is_packed(pool):
+        return unpack_latent_ref(rows, pool.kv_lora_rank)
+    return decode_ref(rows, pool.dtype)
 
 
 def index_pages_ref(records: np.ndarray, page_size: int) -> np.ndarray:
@@ -212,7 +316,17 @@ class Helpers:
     POOL_CLASSES = POOL_CLASSES
     SMALL = SMALL
     SETTERS = SETTERS
+    INDEX_AMAX_FLOOR = INDEX_AMAX_FLOOR
+    small = staticmethod(small)
     make_pool = staticmethod(make_pool)
+    is_packed = staticmethod(is_packed)
+    packed_width = staticmethod(packed_width)
+    kv_row_shape = staticmethod(kv_row_shape)
+    pack_latent_ref = staticmethod(pack_latent_ref)
+    unpack_latent_ref = staticmethod(unpack_latent_ref)
+    latent_rows_ref = staticmethod(latent_rows_ref)
+    mla_rows_ref = staticmethod(mla_rows_ref)
+    latent_read_ref = staticmethod(latent_read_ref)
     key_row_shape = staticmethod(key_row_shape)
     random_values = staticmethod(random_values)
     setter_args = staticmethod(setter_args)

@@ -52,8 +52,20 @@ def _make_pool(kind, *, size=64, page_size=4, dtype=jnp.bfloat16, layer_num=2, s
     if kind == "mla":
         return MLAPool.create(kv_lora_rank=6, qk_rope_head_dim=2, **common)
     return NSAPool.create(
-        kv_lora_rank=6, qk_rope_head_dim=2, index_head_dim=INDEX_HEAD_DIM, **common
+        kv_lora_rank=_nsa_rank(dtype), qk_rope_head_dim=2, index_head_dim=INDEX_HEAD_DIM, **common
     )
+
+
+def _nsa_rank(dtype) -> int:
+    """fp8 NSA pools pack the latent in tiles of 128 values: their rank is a multiple of 128."""
+    return 128 if np.dtype(dtype).itemsize == 1 else 6
+
+
+def _nsa_kv_row(dtype) -> tuple[int, int]:
+    """Per-token `kv_buffer` row of `_make_pool("nsa", dtype=dtype)`: fp8 pools keep SGLang's
+    packed row (fp8 latent, a float32 scale per 128 values, bfloat16 rope), others the values."""
+    rank = _nsa_rank(dtype)
+    return (1, rank + 4 * (rank // 128) + 2 * 2) if np.dtype(dtype).itemsize == 1 else (1, rank + 2)
 
 
 def _attrs(pool) -> tuple[str, ...]:
@@ -83,6 +95,9 @@ def _fill(pool, rng):
         else:
             width = pool.kv_lora_rank + pool.qk_rope_head_dim
             latent = jnp.asarray(_random_bits(rng, (t, 1, width), pool.dtype))
+            if isinstance(pool, NSAPool) and np.dtype(pool.dtype).itemsize == 1:
+                # Packed fp8 rows: random raw rows, written as they are (uint8 in and stored).
+                latent = jnp.asarray(_random_bits(rng, (t, *_nsa_kv_row(pool.dtype)), np.uint8))
             pool = pool.set_kv(layer, loc, latent, None)
             if isinstance(pool, NSAPool):
                 mag = 10.0 ** rng.uniform(-3, 3, (t, 1))
@@ -450,11 +465,14 @@ def test_export_blocks_shapes_dtypes_and_values(kind, dtype):
     slots = _slots(rng, size=64, page_size=4, n=24)
     exported = conn.export_blocks(pool, slots)
     assert set(exported) == set(_ROW_SHAPES[kind])
+    row_shapes = dict(_ROW_SHAPES[kind])
+    if kind == "nsa":
+        row_shapes["kv"] = _nsa_kv_row(dtype)  # packed fp8 rows for fp8 pools
     raw = _raw(pool)
     for key, arr in exported.items():
         assert isinstance(arr, np.ndarray)
         want_dtype = np.uint8 if key == "index_k" else pool.store_dtype
-        chex.assert_shape(arr, (3, 3, 8, *_ROW_SHAPES[kind][key]))
+        chex.assert_shape(arr, (3, 3, 8, *row_shapes[key]))
         assert arr.dtype == want_dtype
         attr = _EXPORT_ATTR[key]
         for layer in range(3):

@@ -1,6 +1,7 @@
 """Property tests: random update sequences against a plain numpy model of the pool.
 
-Every pool kind and dtype. Each example draws a few updates (random slots, out-of-range and
+Every pool kind and dtype (NSA with an fp8 dtype: packed fp8 latent rows, kv_lora_rank 128).
+Each example draws a few updates (random slots, out-of-range and
 `-1` entries among them, random values in random input dtypes, optional scales), applies them
 to one pool eagerly and to another through a donating `jax.jit` step, and after every update
 compares both pools' raw buffers bit for bit with the model: numpy arrays of store-dtype rows,
@@ -123,6 +124,7 @@ class PoolModel:
 
     def __init__(self, pool, kv):
         self.kv = kv
+        self.pool = pool  # its static description only: sizes, dtype, kind
         self.dtype = pool.dtype
         self.page_size = pool.page_size
         self.rows = pool.size + pool.page_size
@@ -140,9 +142,10 @@ class PoolModel:
         if u.name == "set_index_k":
             return {"index": self.kv.quantize_index_ref(u.args[0])}
         if u.name == "set_mla_kv":
-            return {"kv_buffer": np.concatenate([enc(u.args[0]), enc(u.args[1])], axis=-1)}
-        key = "kv_buffer" if "kv_buffer" in self.buffers else "k_buffer"
-        out = {key: enc(u.args[0], scale=u.scales["k_scale"])}
+            return {"kv_buffer": self.kv.mla_rows_ref(self.pool, *u.args)}
+        if "kv_buffer" in self.buffers:  # MLA/NSA latent rows (NSA fp8: packed)
+            return {"kv_buffer": self.kv.latent_rows_ref(self.pool, u.args[0], u.scales["k_scale"])}
+        out = {"k_buffer": enc(u.args[0], scale=u.scales["k_scale"])}
         if u.name == "set_kv" and "v_buffer" in self.buffers:
             out["v_buffer"] = enc(u.args[1], scale=u.scales["v_scale"])
         return out

@@ -179,7 +179,7 @@ def test_create_defaults():
 
 def test_attributes(kv, pool_kind, pool_dtype):
     pool = kv.make_pool(pool_kind, pool_dtype, start_layer=3)
-    expected = {**kv.SMALL[pool_kind], "start_layer": 3}
+    expected = {**kv.small(pool_kind, pool_dtype), "start_layer": 3}
     for name, value in expected.items():
         assert getattr(pool, name) == value, name
     assert pool.dtype == pool_dtype
@@ -192,6 +192,9 @@ def test_buffer_shapes_and_store_dtypes(kv, pool_kind, pool_dtype):
     store = kv.STORE_DTYPES[pool_dtype]
     if pool_kind in ("mha", "konly"):
         shapes = {"k_buffer": (rows, pool.head_num, pool.head_dim)}
+    elif pool_kind == "nsa" and pool_dtype.itemsize == 1:  # packed: fp8 tiles, scales, bf16 rope
+        rank, rope = pool.kv_lora_rank, pool.qk_rope_head_dim
+        shapes = {"kv_buffer": (rows, 1, rank + 4 * (rank // 128) + 2 * rope)}
     else:
         shapes = {"kv_buffer": (rows, 1, pool.kv_lora_rank + pool.qk_rope_head_dim)}
     if pool_kind == "mha":
@@ -330,13 +333,18 @@ def test_reads_return_the_logical_dtype(kv, pool_kind, pool_dtype):
     else:
         pool = pool.set_k(1, loc, k)
     key = pool.get_key_buffer(1)
-    chex.assert_type(key, pool_dtype)
+    # Packed fp8 NSA rows are read dequantised, as float32; every other pool reads its dtype.
+    read_dtype = np.float32 if kv.is_packed(pool) else pool_dtype
+    want = k.astype(np.float32)
+    if kv.is_packed(pool):  # quantised per tile: the reference says what reads give back
+        want = kv.latent_read_ref(pool, kv.latent_rows_ref(pool, k))
+    chex.assert_type(key, read_dtype)
     chex.assert_shape(key, (rows_of(pool), *kv.key_row_shape(pool)))
-    np.testing.assert_array_equal(kv.host(key)[loc].astype(np.float32), k.astype(np.float32))
+    np.testing.assert_array_equal(kv.host(key)[loc].astype(np.float32), want)
     if pool_kind == "konly":
         return
     value = pool.get_value_buffer(1)
-    chex.assert_type(value, pool_dtype)
+    chex.assert_type(value, read_dtype)
     if pool_kind == "mha":
         chex.assert_shape(value, (rows_of(pool), pool.head_num, pool.v_head_dim))
         np.testing.assert_array_equal(kv.host(value)[loc].astype(np.float32), v.astype(np.float32))
@@ -354,9 +362,14 @@ def test_get_mla_kv_returns_rows_at_loc(kv, kind, pool_dtype):
     k_rope = _stored_values(rng, pool, (3, 1, pool.qk_rope_head_dim))
     pool = pool.set_mla_kv(0, np.array([4, 9, 2]), k_nope, k_rope)
     nope, rope = pool.get_mla_kv(0, np.array([9, 2, 4, 4]))
-    chex.assert_type([nope, rope], pool_dtype)
     chex.assert_shape(nope, (4, 1, pool.kv_lora_rank))
     chex.assert_shape(rope, (4, 1, pool.qk_rope_head_dim))
+    read_dtype = pool_dtype
+    if kv.is_packed(pool):  # read dequantised, as float32
+        read_dtype = np.float32
+        rows = kv.latent_read_ref(pool, kv.mla_rows_ref(pool, k_nope, k_rope))
+        k_nope, k_rope = rows[..., : pool.kv_lora_rank], rows[..., pool.kv_lora_rank :]
+    chex.assert_type([nope, rope], read_dtype)
     order = [1, 2, 0, 0]
     assert kv.same_bits(kv.host(nope), k_nope[order])
     assert kv.same_bits(kv.host(rope), k_rope[order])
@@ -375,7 +388,7 @@ def test_get_index_k_dequantises_and_packs_sglang_layout(kv):
     chex.assert_type(got, np.float32)
     chex.assert_shape(got, (4, d))
     amax = np.max(np.abs(x), axis=-1, keepdims=True)
-    scale = amax / np.float32(448.0)
+    scale = np.maximum(amax, kv.INDEX_AMAX_FLOOR) / np.float32(448.0)
     # e4m3: 3 mantissa bits (half-ulp 2**-4 relative); subnormals step by 2**-9 * scale.
     err = np.abs(kv.host(got) - x)
     assert np.all(err <= np.abs(x) * (2**-4 + 1e-6) + scale * 2**-10), err
@@ -385,7 +398,7 @@ def test_get_index_k_dequantises_and_packs_sglang_layout(kv):
     for t, slot in enumerate(loc):
         page, off = divmod(int(slot), p)
         scale_bytes = raw[page, p * d + 4 * off : p * d + 4 * off + 4]
-        assert scale_bytes.view("<f4")[0] == np.float32(amax[t, 0]) / np.float32(448.0)
+        assert scale_bytes.view("<f4")[0] == scale[t, 0]
         keys = raw[page, off * d : (off + 1) * d].view(ml_dtypes.float8_e4m3fn)
         np.testing.assert_array_equal(
             keys.astype(np.float32) * scale_bytes.view("<f4")[0], kv.host(got)[t]
@@ -396,17 +409,35 @@ def test_get_index_k_dequantises_and_packs_sglang_layout(kv):
     assert not np.any(kv.host(pool.index_k_with_scale_buffer[0])), "other layer untouched"
 
 
-def test_set_index_k_zero_row_stores_zeros_and_zero_scale(kv):
+def test_set_index_k_zero_row_stores_zero_keys_and_the_floor_scale(kv):
     pool = kv.make_pool("nsa")
     d = pool.index_head_dim
     pool = pool.set_index_k(0, np.array([1, 3, 7]), np.ones((3, d)))
     pool = pool.set_index_k(0, np.array([3, 7]), np.zeros((2, d)))  # overwrite with zero rows
+    floor_scale = np.float32(1e-4) / np.float32(448.0)  # SGLang floors amax at 1e-4
+    zero_record = np.concatenate([np.zeros(d, np.uint8), np.float32([floor_scale]).view(np.uint8)])
     records = np.zeros((rows_of(pool), d + 4), np.uint8)
     records[1] = kv.quantize_index_ref(np.ones((1, d)))[0]
+    records[[3, 7]] = zero_record
+    assert np.array_equal(kv.quantize_index_ref(np.zeros((1, d)))[0], zero_record)
     np.testing.assert_array_equal(
         kv.host(pool.index_k_with_scale_buffer[0]), kv.index_pages_ref(records, pool.page_size)
     )
     np.testing.assert_array_equal(kv.host(pool.get_index_k(0, np.array([3, 7]))), 0.0)
+
+
+def test_set_index_k_floors_tiny_amax(kv):
+    pool = kv.make_pool("nsa")
+    d = pool.index_head_dim
+    x = np.zeros((2, d), np.float32)
+    x[0, 0], x[1, 0] = 1e-5, 2e-4  # below and above the floor
+    pool = pool.set_index_k(0, np.array([2, 5]), x)
+    raw = kv.host(pool.index_k_with_scale_buffer[0])
+    p = pool.page_size
+    at = [p * d + 4 * (s % p) for s in (2, 5)]  # each slot's scale bytes in its page
+    scales = [raw[s // p, a : a + 4].view("<f4")[0] for s, a in zip((2, 5), at)]
+    assert scales[0] == np.float32(1e-4) / np.float32(448.0)
+    assert scales[1] == np.float32(2e-4) / np.float32(448.0)
 
 
 def _expected_bytes(pool, kind) -> int | tuple[int, int]:
@@ -416,6 +447,9 @@ def _expected_bytes(pool, kind) -> int | tuple[int, int]:
         v = pool.layer_num * rows * pool.head_num * pool.v_head_dim * item if kind == "mha" else 0
         return (k, v)
     total = pool.layer_num * rows * (pool.kv_lora_rank + pool.qk_rope_head_dim) * item
+    if kind == "nsa" and pool.dtype.itemsize == 1:  # packed: bytes of fp8, scales, bf16 rope
+        rank, rope = pool.kv_lora_rank, pool.qk_rope_head_dim
+        total = pool.layer_num * rows * (rank + 4 * (rank // 128) + 2 * rope)
     if kind == "nsa":
         total += pool.layer_num * rows * (pool.index_head_dim + 4)
     return total
@@ -497,7 +531,7 @@ def test_set_k_writes_the_key_rows(kv, kind, pool_dtype):
     new = pool.set_k(0, loc, k)
     name = kv.row_buffer_names(kind)[0]
     expected = np.zeros(getattr(pool, name)[0].shape, pool.store_dtype)
-    expected[loc] = _encoded(kv, pool, k)
+    expected[loc] = kv.latent_rows_ref(pool, k) if kind in LATENT_KINDS else _encoded(kv, pool, k)
     assert kv.same_bits(kv.host(getattr(new, name)[0]), expected)
 
 
@@ -511,7 +545,7 @@ def test_latent_set_kv_stores_cache_k_and_ignores_cache_v(kv, kind, cache_v, poo
     v = None if cache_v == "none" else kv.random_values(rng, (3, 1, pool.kv_lora_rank))
     new = pool.set_kv(0, loc, k, v, v_scale=None if v is None else 3.0)
     expected = np.zeros(pool.kv_buffer[0].shape, pool.store_dtype)
-    expected[loc] = _encoded(kv, pool, k)
+    expected[loc] = kv.latent_rows_ref(pool, k)
     assert kv.same_bits(kv.host(new.kv_buffer[0]), expected)
 
 
@@ -524,9 +558,7 @@ def test_set_mla_kv_writes_the_concatenation(kv, kind, pool_dtype):
     k_rope = kv.random_values(rng, (2, 1, pool.qk_rope_head_dim)).astype(jnp.bfloat16)
     new = pool.set_mla_kv(1, loc, k_nope, k_rope, donate=False)
     expected = np.zeros(pool.kv_buffer[1].shape, pool.store_dtype)
-    expected[loc] = np.concatenate(
-        [_encoded(kv, pool, k_nope), _encoded(kv, pool, k_rope)], axis=-1
-    )
+    expected[loc] = kv.mla_rows_ref(pool, k_nope, k_rope)
     assert kv.same_bits(kv.host(new.kv_buffer[1]), expected)
     same = pool.set_kv(1, loc, np.concatenate([k_nope, k_rope.astype(np.float32)], -1), None)
     chex.assert_trees_all_equal(same.kv_buffer, new.kv_buffer)
@@ -656,10 +688,11 @@ def test_scale_is_ignored_for_values_already_in_the_pool_dtype(kv, kind, pool_dt
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
 def test_latent_set_kv_applies_k_scale(kv, kind, pool_dtype):
+    """Where SGLang applies it: packed fp8 NSA rows carry a scale per tile and take no other."""
     pool = kv.make_pool(kind, pool_dtype)
     k = kv.random_values(np.random.default_rng(11), (2, *kv.key_row_shape(pool)))
     new = pool.set_kv(0, np.array([1, 2]), k, None, k_scale=0.25, v_scale=1e-9)
-    assert kv.same_bits(kv.host(new.kv_buffer[0])[1:3], kv.encode_ref(k, pool_dtype, 0.25))
+    assert kv.same_bits(kv.host(new.kv_buffer[0])[1:3], kv.latent_rows_ref(pool, k, 0.25))
 
 
 @pytest.mark.parametrize(
@@ -709,7 +742,12 @@ def test_fp8_never_turns_finite_input_into_nan_or_inf(kv, pool_dtype, pool_kind,
         pool = pool.set_mla_kv(1, loc, x[..., :r], x[..., r:])
     for layer in range(pool.layer_num):
         for name in kv.row_buffer_names(pool_kind):
-            stored = kv.decode_ref(kv.host(getattr(pool, name)[layer]), pool_dtype)
+            bits = kv.host(getattr(pool, name)[layer])
+            if kv.is_packed(pool):  # codes, scales and rope all finite: so is what reads return
+                stored = kv.latent_read_ref(pool, bits)
+                np.testing.assert_array_equal(kv.host(pool.get_key_buffer(layer)), stored)
+            else:
+                stored = kv.decode_ref(bits, pool_dtype)
             assert np.all(np.isfinite(stored)), (name, layer)
 
 
