@@ -144,18 +144,26 @@ def test_host_store_records_are_isolated_and_read_only():
 
 
 def test_host_store_keeps_a_returned_record_intact_after_eviction():
-    store = HostStore(32)
+    store = HostStore(32)  # room for two 16-byte records
     assert store.put(_record("a" * 64, 1.0))
     held = store.get("a" * 64)
     view = held.parts["k"][0]
-    for i in range(4):  # evicts "a" and recycles memory of evicted records
-        store.put(_record(f"{i + 1:064x}", 10.0 + i))
+    for i in range(4):  # evicts "a"; its bytes stay reserved (and counted) while it is held
+        assert store.put(_record(f"{i + 1:064x}", 10.0 + i))
     assert not store.contains("a" * 64)
     np.testing.assert_array_equal(held.parts["k"], np.ones((1, 4), np.float32))
     np.testing.assert_array_equal(view, np.ones(4, np.float32))
-    for i in (2, 3):  # records placed in recycled memory hold their own values
+    assert len(store) == 1 and store.memory_bytes <= store.capacity_bytes
+    np.testing.assert_array_equal(
+        store.get(f"{4:064x}").parts["k"], np.full((1, 4), 13.0, np.float32)
+    )
+    del held, view
+    for i in (5, 6):  # the reader let go: its bytes are reused and two records fit again
+        assert store.put(_record(f"{i:064x}", 10.0 + i))
+    assert len(store) == 2 and store.stats()["evictions"] == 5
+    for i in (5, 6):  # records placed in recycled memory hold their own values
         np.testing.assert_array_equal(
-            store.get(f"{i + 1:064x}").parts["k"], np.full((1, 4), 10.0 + i, np.float32)
+            store.get(f"{i:064x}").parts["k"], np.full((1, 4), 10.0 + i, np.float32)
         )
 
 
