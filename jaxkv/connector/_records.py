@@ -76,6 +76,24 @@ class BlockRecord:
         return sum(int(a.nbytes) for a in self.parts.values())
 
 
+def is_block_of(record: BlockRecord) -> bool:
+    """Whether `record` has a source and its parts are exactly that block of the segment."""
+    if record.source is None:
+        return False
+    segment, index = record.source
+    if set(record.parts) != set(segment.host) or not 0 <= index < segment.blocks:
+        return False
+    for name, arr in record.parts.items():
+        block = segment.host[name][index]
+        if (
+            arr.shape != block.shape
+            or arr.dtype != block.dtype
+            or arr.__array_interface__["data"][0] != block.__array_interface__["data"][0]
+        ):
+            return False
+    return True
+
+
 def encode(record: BlockRecord) -> bytes:
     """The record's byte form (see the module docstring)."""
     parts, offset = [], 0

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from jaxkv.connector._records import BlockRecord, Segment
+from jaxkv.connector._records import BlockRecord, Segment, is_block_of
 
 _COUNTERS = (
     "hits",
@@ -282,7 +282,7 @@ class HostStore(BlockStore):
 
     def _adopt(self, record: BlockRecord) -> Segment | None:
         """Keeps `record` in its own segment's memory when it is one; None: copy it."""
-        if record.source is None or not _is_block_of(record):
+        if not is_block_of(record):
             return None
         segment = record.source[0]
         entry = self._segments.get(id(segment))
@@ -375,19 +375,3 @@ def _copy_into(record: BlockRecord, slot: _Slot) -> BlockRecord:
         parts[name] = dst
         offset += _round_up(arr.nbytes)
     return dataclasses.replace(record, parts=parts, source=None)
-
-
-def _is_block_of(record: BlockRecord) -> bool:
-    """Whether `record.parts` are exactly block `index` of its source segment."""
-    segment, index = record.source
-    if set(record.parts) != set(segment.host) or not 0 <= index < segment.blocks:
-        return False
-    for name, arr in record.parts.items():
-        block = segment.host[name][index]
-        if (
-            arr.shape != block.shape
-            or arr.dtype != block.dtype
-            or arr.__array_interface__["data"][0] != block.__array_interface__["data"][0]
-        ):
-            return False
-    return True
