@@ -101,7 +101,7 @@ class _Chunk:
     asked for where Linux offers them: copies into touched huge pages ran at 8.3 GB/s.
     """
 
-    __slots__ = ("mem", "nbytes", "free")
+    __slots__ = ("mem", "nbytes", "free", "largest")
 
     def __init__(self, nbytes: int):
         if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
@@ -116,19 +116,23 @@ class _Chunk:
         np.frombuffer(self.mem, np.uint8)[::_PAGE] = 0
         self.nbytes = nbytes
         self.free: list[list[int]] = [[0, nbytes]]  # [offset, size], sorted, coalesced
+        self.largest = nbytes
 
     @property
     def empty(self) -> bool:
-        return self.free == [[0, self.nbytes]]
+        return self.largest == self.nbytes
 
     def take(self, size: int) -> int | None:
         """First fit: the offset of `size` free bytes, now in use, or None."""
+        if self.largest < size:
+            return None
         for i, (offset, n) in enumerate(self.free):
             if n >= size:
                 if n == size:
                     del self.free[i]
                 else:
                     self.free[i] = [offset + size, n - size]
+                self.largest = max((n for _, n in self.free), default=0)
                 return offset
         return None
 
@@ -141,8 +145,10 @@ class _Chunk:
             size += self.free.pop(i)[1]
         if i and self.free[i - 1][0] + self.free[i - 1][1] == offset:
             self.free[i - 1][1] += size
+            size = self.free[i - 1][1]
         else:
             self.free.insert(i, [offset, size])
+        self.largest = max(self.largest, size)
 
 
 class _Slot:
@@ -158,10 +164,6 @@ class _Slot:
     def unheld(self) -> bool:
         # 2 = the `base` attribute + getrefcount's argument: no part view is alive.
         return sys.getrefcount(self.base) == 2
-
-    def release(self) -> None:
-        self.base = None
-        self.chunk.give(self.offset, self.size)
 
 
 class HostStore(BlockStore):
@@ -216,11 +218,14 @@ class HostStore(BlockStore):
                 f"got {preallocate_bytes!r}"
             )
         self.capacity_bytes = capacity_bytes
-        self._records: collections.OrderedDict[str, tuple[BlockRecord, _Slot | Segment]] = (
+        # key -> (record, the memory it lives in, its bytes)
+        self._records: collections.OrderedDict[str, tuple[BlockRecord, _Slot | Segment, int]] = (
             collections.OrderedDict()
         )
         self._chunks: dict[int, _Chunk] = {}
+        self._last: _Chunk | None = None  # the newest chunk, filled first
         self._arena_bytes = 0
+        self._loose = 0  # free bytes in the chunks
         self._segments: dict[int, list] = {}  # id -> [segment, records of it held]
         self._segment_bytes = 0
         self._held: list[_Slot] = []  # evicted records that a reader still holds
@@ -250,10 +255,10 @@ class HostStore(BlockStore):
                 self._counters["misses"] += 1
                 return None
             self._records.move_to_end(key)
-            record = entry[0]
+            record, _, size = entry
             self._counters["hits"] += 1
             self._counters["blocks_loaded"] += 1
-            self._counters["bytes_loaded"] += record.nbytes
+            self._counters["bytes_loaded"] += size
             return record
 
     def put(self, record: BlockRecord) -> bool:
@@ -272,7 +277,7 @@ class HostStore(BlockStore):
                     self._counters["rejected"] += 1
                     return False
                 record = _copy_into(record, owner)
-            self._records[record.key] = (record, owner)
+            self._records[record.key] = (record, owner, size)
             self._bytes += size
             self._counters["blocks_stored"] += 1
             self._counters["bytes_stored"] += size
@@ -306,51 +311,85 @@ class HostStore(BlockStore):
 
     # ---- arena -----------------------------------------------------------------------------
 
-    def _map(self, nbytes: int) -> None:
-        chunk = _Chunk(nbytes)
+    def _map(self, nbytes: int) -> _Chunk:
+        chunk = self._last = _Chunk(nbytes)
         self._chunks[id(chunk)] = chunk
         self._arena_bytes += nbytes
+        self._loose += nbytes
+        return chunk
 
     def _unmap_empty_chunk(self) -> bool:
         for key, chunk in self._chunks.items():
             if chunk.empty:
                 del self._chunks[key]
                 self._arena_bytes -= chunk.nbytes
+                self._loose -= chunk.nbytes
+                if self._last is chunk:
+                    self._last = None
                 return True  # the mapping goes once nothing refers to it
         return False
 
+    def _take(self, chunk: _Chunk | None, size: int) -> _Slot | None:
+        offset = None if chunk is None else chunk.take(size)
+        if offset is None:
+            return None
+        self._loose -= size
+        return _Slot(chunk, offset, size)
+
+    def _release(self, slot: _Slot) -> _Chunk:
+        slot.base = None
+        slot.chunk.give(slot.offset, slot.size)
+        self._loose += slot.size
+        return slot.chunk
+
     def _acquire(self, size: int) -> _Slot | None:
-        """`size` arena bytes for a new record, growing the arena or evicting to find them."""
+        """`size` arena bytes for a new record, growing the arena or evicting to find them.
+
+        Every step is O(1) in the number of chunks in the usual cases: a growing store fills
+        its newest chunk; a store at capacity reuses the bytes of the record it evicts. Free
+        bytes elsewhere (left by records of other sizes) are searched only when there are
+        enough of them.
+        """
         while True:
-            for chunk in self._chunks.values():
-                offset = chunk.take(size)
-                if offset is not None:
-                    return _Slot(chunk, offset, size)
+            slot = self._take(self._last, size)
+            if slot is not None:
+                return slot
+            if self._loose >= size:
+                for chunk in self._chunks.values():
+                    slot = self._take(chunk, size)
+                    if slot is not None:
+                        return slot
             if self._reclaim():
                 continue
             room = self.capacity_bytes - self._arena_bytes - self._segment_bytes
             if room >= size:
-                self._map(min(max(size, _CHUNK_BYTES), room))
+                # A whole number of records: no fragment is left at the chunk's end.
+                self._map(min(max(size, _CHUNK_BYTES // size * size), room // size * size))
                 continue
             if self._records:
-                self._evict_oldest()
+                slot = self._take(self._evict_oldest(), size)
+                if slot is not None:
+                    return slot
                 continue
             if not self._unmap_empty_chunk():  # only fragments left: remap them whole
                 return None
 
     def _reclaim(self) -> bool:
         """Frees the bytes of evicted records their readers have let go of."""
-        free = [s for s in self._held if s.unheld()]
-        if not free:
-            return False
-        self._held = [s for s in self._held if s.base is not None and s not in free]
-        for slot in free:
-            slot.release()
-        return True
+        held, freed = [], False
+        for slot in self._held:  # one test per slot: a reader may let go at any moment
+            if slot.unheld():
+                self._release(slot)
+                freed = True
+            else:
+                held.append(slot)
+        self._held = held
+        return freed
 
-    def _evict_oldest(self) -> None:
-        _, (record, owner) = self._records.popitem(last=False)
-        self._bytes -= record.nbytes
+    def _evict_oldest(self) -> _Chunk | None:
+        """Evicts the least recently used record; returns the chunk whose bytes it freed."""
+        _, (record, owner, size) = self._records.popitem(last=False)
+        self._bytes -= size
         self._counters["evictions"] += 1
         del record
         if isinstance(owner, Segment):
@@ -359,10 +398,11 @@ class HostStore(BlockStore):
             if not entry[1]:
                 del self._segments[id(owner)]
                 self._segment_bytes -= owner.nbytes
-        elif owner.unheld():
-            owner.release()
-        else:
-            self._held.append(owner)
+            return None
+        if owner.unheld():
+            return self._release(owner)
+        self._held.append(owner)
+        return None
 
 
 def _copy_into(record: BlockRecord, slot: _Slot) -> BlockRecord:
