@@ -88,10 +88,10 @@ def host_view(x: jax.Array, *, writable: bool = False) -> np.ndarray:
 
 
 def _pinned_staging(shape: tuple[int, ...], dtype, dev: jax.Device) -> tuple[np.ndarray, jax.Array]:
-    """A zeroed pinned host array on `dev`'s host and a writable numpy view of it."""
-    arr = jax.device_put(
-        np.zeros(shape, dtype), SingleDeviceSharding(dev, memory_kind="pinned_host")
-    )
+    """A zeroed pinned host array on `dev`'s host and a writable numpy view of it (made once
+    per cached slot: zeros on the device, then the device-to-pinned transfer stores use)."""
+    zeros = jax.device_put(np.zeros(shape, dtype), dev)
+    arr = jax.device_put(zeros, SingleDeviceSharding(dev, memory_kind="pinned_host"))
     return host_view(arr, writable=True), arr
 
 
