@@ -349,7 +349,9 @@ class KVConnector:
         if not records:
             return pool, 0
         n = len(records) * bs
-        for segment, group in self._load_groups(view, records):
+        for g, (segment, group) in enumerate(self._load_groups(view, records)):
+            if g:
+                view = self._view(pool)  # the pool the previous write returned
             rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in group])
             if segment is not None:
                 keys = [p.key for p in view.layout.parts]
@@ -358,7 +360,6 @@ class KVConnector:
                 pool = view.write(rows, segment_staging(segment, keys, index, like), bs)
             else:
                 pool = self._write_staged(view, [records[i] for i in group], rows)
-            view = self._view(pool)
         self._count("blocks_loaded", len(records))
         self._count("bytes_loaded", sum(r.nbytes for r in records))
         return pool, n
