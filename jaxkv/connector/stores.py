@@ -179,7 +179,7 @@ class HostStore(BlockStore):
       use: `preallocate_bytes` at construction (default: `capacity_bytes`, at most 256 MiB),
       then 64 MiB chunks, each touched when mapped, as the store grows. Evicted records' bytes
       are reused in place, so a fresh store copies at the same speed as one at capacity.
-      Touching costs about one memory write per byte (256 MiB took about 70 ms here); pass
+      Touching costs about one memory write per byte (256 MiB took 48-78 ms here); pass
       `preallocate_bytes=capacity_bytes` to pay it all at construction, or 0 to pay it only as
       the store grows (for instance on accelerators, where records arrive as segments).
 
