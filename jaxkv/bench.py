@@ -290,7 +290,11 @@ def _connector_row(pool, slots, layers, block, store_kind, quick, accel):
     conn.close()
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
-    gbps = {f"{k.replace(' ', '_')}_GBps": nbytes / v / 1e9 for k, v in med.items()}
+    gbps = {
+        f"{k.replace(' ', '_')}_GBps": nbytes / v / 1e9
+        for k, v in med.items()
+        if k != "cold_create"
+    }
     row = {
         "layers": layers,
         "block_size": block,
