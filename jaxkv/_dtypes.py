@@ -62,7 +62,12 @@ def encode(values: jax.Array, dtype: np.dtype, scale: jax.Array | None = None) -
     if scale is not None or values.dtype != dtype:
         x = values
         if scale is not None:
+            # SGLang divides the value in its own dtype (torch computes a 16-bit quotient in
+            # float32 and rounds it to 16 bits), then casts; the same two roundings here.
+            narrow = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
             x = divide(x, scale)
+            if narrow:
+                x = x.astype(values.dtype)
         if is_fp8(dtype):
             limit = float(jnp.finfo(dtype).max)
             x = jnp.clip(x.astype(jnp.float32), -limit, limit)

@@ -195,6 +195,12 @@ def encode_ref(values, dtype, scale=None) -> np.ndarray:
     if scale is not None:
         with np.errstate(over="ignore", divide="ignore"):
             x = flush_subnormals(flush_subnormals(x) / flush_subnormals(np.float32(scale)))
+        in_dtype = np.asarray(values).dtype
+        if in_dtype.kind == "V" or (in_dtype.kind == "f" and in_dtype.itemsize < 4):
+            # 16- and 8-bit inputs are divided in their own dtype (SGLang): the quotient is
+            # rounded to it before the cast to the pool dtype.
+            with np.errstate(over="ignore"):
+                x = x.astype(in_dtype).astype(np.float32)
     if dtype.itemsize == 1:
         limit = np.float32(ml_dtypes.finfo(dtype).max)
         x = np.clip(x, -limit, limit)
