@@ -128,7 +128,7 @@ def writable_problem(layer, codec) -> str | None:
 
 def _index_positions(codec, slots: np.ndarray, n_pages: int) -> tuple[np.ndarray, np.ndarray]:
     keys, scales = codec.flat_index(jnp.asarray(slots, jnp.int32), n_pages)
-    return np.asarray(keys), np.asarray(scales)
+    return np.array(keys), np.array(scales)  # writable copies: torch.from_numpy shares them
 
 
 def read_rows(layer, codec, slots: np.ndarray, bits: np.dtype) -> np.ndarray:
