@@ -62,7 +62,12 @@ def test_store_async_returns_the_written_count_and_blocks_load_bit_exact():
         np.testing.assert_array_equal(got, ref)
 
 
-def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once():
+@pytest.mark.parametrize("pinned", [False, True], ids=["cpu", "pinned"])
+def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(monkeypatch, pinned):
+    # pinned: the accelerator path, run on CPU (the snapshot is a segment in pinned memory).
+    from jaxkv.connector import _staging
+
+    monkeypatch.setattr(_staging, "PINNED_ON_CPU", pinned)
     pool = _pool()
     want = _rows(pool, SLOTS)
     store = SlowStore(1 << 22, delay=0.0)
@@ -79,6 +84,8 @@ def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once():
     assert n == 64
     for got, ref in zip(_rows(pool, SLOTS + 100), want):  # the snapshot, not the zeros
         np.testing.assert_array_equal(got, ref)
+    held = store.get(conn.block_hashes(TOKENS)[0])
+    assert (held.source is not None) == pinned  # kept as the transfer's output, or copied
     conn.close()
 
 
@@ -133,6 +140,9 @@ def test_flush_raises_a_pending_write_error():
     conn.close()
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="accelerators snapshot into pinned segments instead"
+)
 @pytest.mark.parametrize("use_async", [False, True])
 def test_large_snapshots_stage_per_layer_and_round_trip_bit_exact(monkeypatch, use_async):
     from jaxkv.connector import _layout

@@ -36,16 +36,23 @@ def test_bench_quick_writes_well_formed_json(tmp_path):
     assert {"machine", "updates", "connector", "hashing", "allocators", "async", "targets"} <= set(
         res
     )
-    contenders = {"jaxkv eager", "jaxkv jit", "memcpy"}
+    # Each backend is measured against its own floors: host numpy and memcpy on CPU, a device
+    # copy and the plain donated scatter on accelerators.
+    cpu = res["machine"]["backend"] == "cpu"
+    floors = {"memcpy", "numpy in-place"} if cpu else {"device copy", "plain donated .at[].set"}
+    contenders = {"jaxkv eager", "jaxkv jit"}
     for row in res["updates"]:
         assert contenders <= set(row) and all(row[c] > 0 for c in contenders)
-    assert any("naive JAX" in r and "numpy in-place" in r for r in res["updates"])
+    assert any(floors | {"naive JAX"} <= set(r) for r in res["updates"])
     for row in res["connector"]:
-        assert all(row[k] > 0 for k in ("export_GBps", "store_GBps", "load_GBps", "memcpy_GBps"))
-    assert len(res["targets"]) == 9
+        assert all(row[k] > 0 for k in ("export_GBps", "store_GBps", "load_GBps"))
+    assert res["machine"]["backend"] and res["machine"]["device_kind"]
+    # Updates: 5 targets on CPU, 4 on accelerators; connector 2; hashing 2; async 1.
+    assert len(res["targets"]) == (10 if cpu else 9)
     for target in res["targets"]:
         assert isinstance(target["value"], float) and target["value"] > 0, target
-        assert target["ok"] == (target["value"] <= target["limit"])
+        value, limit = target["value"], target["limit"]
+        assert target["ok"] == (value >= limit if target["at_least"] else value <= limit)
 
 
 def test_bench_plot_without_matplotlib_or_with_it(tmp_path):

@@ -708,6 +708,123 @@ def test_connector_stats(mha):
 
 
 # --------------------------------------------------------------------------------------------
+# The accelerator path (pinned host memory), run on CPU devices
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """Runs the accelerator transfer path on CPU: blocks leave the device as segments in
+    pinned host memory, and loads send them back (or stage them in pinned memory).
+
+    Yields the calls made to `segment_staging` (segments sent back whole)."""
+    from jaxkv.connector import _connector, _staging
+
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if "pinned_host" not in kinds:
+        pytest.skip("this jax has no pinned_host memory on CPU devices")
+    monkeypatch.setattr(_staging, "PINNED_ON_CPU", True)
+    calls = []
+    original = _connector.segment_staging
+
+    def spy(segment, keys, index, like):
+        calls.append(np.asarray(index).copy())
+        return original(segment, keys, index, like)
+
+    monkeypatch.setattr(_connector, "segment_staging", spy)
+    return calls
+
+
+@pytest.mark.parametrize("page_size,block_size", ((1, 16), (4, 8)))
+@pytest.mark.parametrize("kind", KINDS)
+def test_pinned_store_keeps_the_transfer_output_and_load_sends_it_back(
+    pinned, kind, page_size, block_size
+):
+    rng = np.random.default_rng(20)
+
+    def make():
+        return _make_pool(kind, size=64, page_size=page_size)
+
+    src, dst = _fill(make(), rng), _fill(make(), rng)
+    store = HostStore(1 << 20, preallocate_bytes=0)
+    conn = KVConnector(src, store, block_size=block_size)
+    tokens = rng.integers(0, 50_000, 32)
+    src_slots = _slots(rng, size=64, page_size=page_size, n=32)
+    dst_slots = _slots(rng, size=64, page_size=page_size, n=32)
+    assert conn.store(src, tokens, src_slots) == 32 // block_size
+    records = [store.get(k) for k in conn.block_hashes(tokens)]
+    segment = records[0].source[0]
+    assert all(r.source == (segment, j) for j, r in enumerate(records))
+    for name, arr in segment.arrays.items():
+        assert arr.sharding.memory_kind == "pinned_host"
+        for j, record in enumerate(records):  # the records are the transfer's own memory
+            part = record.parts[name]
+            assert part.ctypes.data == segment.host[name][j].ctypes.data
+            assert not part.flags.writeable
+    assert store.memory_bytes == segment.nbytes  # kept whole, no arena, no copy
+    before, src_raw = _raw(dst), _raw(src)
+    dst, n = conn.load(dst, tokens, dst_slots)
+    assert n == 32 and len(pinned) == 1  # one segment, sent back whole
+    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots, dst_slots, page_size))
+
+
+def test_pinned_load_of_a_few_blocks_stages_them_in_pinned_memory(pinned):
+    rng = np.random.default_rng(21)
+    src = _fill(_make_pool("mha", size=256, page_size=1), rng)
+    dst = _fill(_make_pool("mha", size=256, page_size=1), rng)
+    conn = KVConnector(src, HostStore(1 << 22))
+    tokens = rng.integers(0, 50_000, 256)
+    src_slots, dst_slots = np.arange(1, 257), rng.permutation(np.arange(1, 257))
+    assert conn.store(src, tokens, src_slots) == 16  # one segment of 16 blocks
+    src_raw = _raw(src)
+    before = _raw(dst)
+    dst, n = conn.load(dst, tokens[:16], dst_slots[:16])  # 1 block of 16: below the 1/8 share
+    assert n == 16 and pinned == []
+    staged = [k for k in conn._staging._idle if k[0] == "pinned"]
+    assert staged, "the block went through pinned staging"
+    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots[:16], dst_slots[:16], 1))
+    before = _raw(dst)
+    dst, n = conn.load(dst, tokens[:64], dst_slots[:64])  # 4 of 16 blocks: the segment, whole
+    assert n == 64 and len(pinned) == 1
+    np.testing.assert_array_equal(pinned[0], np.arange(4))
+    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots[:64], dst_slots[:64], 1))
+
+
+def test_pinned_load_spanning_segments_and_disk_records(pinned, tmp_path):
+    """A prefix stored by two calls (two segments) loads bit-exact; so do records from disk,
+    which carry no segment and go through pinned staging."""
+    rng = np.random.default_rng(22)
+    src = _fill(_make_pool("nsa", size=128, page_size=16), rng)
+    tokens = rng.integers(0, 50_000, 64)
+    src_slots = np.arange(16, 80)
+    for store in (HostStore(1 << 22), DiskStore(tmp_path)):
+        dst = _fill(_make_pool("nsa", size=128, page_size=16), rng)
+        conn = KVConnector(src, store)
+        assert conn.store(src, tokens[:32], src_slots[:32]) == 2
+        assert conn.store(src, tokens, src_slots) == 2  # blocks 2 and 3: a second segment
+        calls = len(pinned)
+        dst_slots = np.concatenate([p * 16 + np.arange(16) for p in (7, 2, 5, 1)])
+        before, src_raw = _raw(dst), _raw(src)
+        dst, n = conn.load(dst, tokens, dst_slots)
+        assert n == 64
+        assert len(pinned) - calls == (2 if isinstance(store, HostStore) else 0)
+        _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots, dst_slots, 16))
+
+
+@pytest.mark.parametrize("kind", ("mha", "nsa"))
+def test_pinned_roundtrip_sglang_shaped_jax_buffers(pinned, kind):
+    rng = np.random.default_rng(23)
+
+    def make():
+        return _raw(_fill(_make_pool(kind, size=64, page_size=4, dtype=jnp.bfloat16), rng))
+
+    src = _foreign(kind, make(), jnp.bfloat16, 4, "jax")
+    dst = _foreign(kind, make(), jnp.bfloat16, 4, "jax")
+    conn = KVConnector(src, HostStore(1 << 20))
+    out = _roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=14)
+    assert out is dst and len(pinned) == 1
+
+
+# --------------------------------------------------------------------------------------------
 # min_block_count
 
 

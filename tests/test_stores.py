@@ -1,7 +1,9 @@
-"""Store tests: API.md "Connector" (stores) and "Connector additions" (`stats`).
+"""Store tests: the stores of the block connector and their `stats`.
 
 `HostStore`: least-recently-used eviction by bytes, records isolated from their callers,
-thread safety. `DiskStore`: persistence across instances and processes, atomic writes, eviction,
+memory mapped up front and reused (a fresh store copies into touched memory, never into fresh
+allocations), segments kept without a copy, capacity bounding all the memory it holds, thread
+safety. `DiskStore`: persistence across instances and processes, atomic writes, eviction,
 and verification: no damaged, truncated or misplaced record file is ever loaded.
 """
 
@@ -12,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,7 @@ import pytest
 import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool
 from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector
+from jaxkv.connector._records import Segment
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 16
@@ -144,18 +148,26 @@ def test_host_store_records_are_isolated_and_read_only():
 
 
 def test_host_store_keeps_a_returned_record_intact_after_eviction():
-    store = HostStore(32)
+    store = HostStore(32)  # room for two 16-byte records
     assert store.put(_record("a" * 64, 1.0))
     held = store.get("a" * 64)
     view = held.parts["k"][0]
-    for i in range(4):  # evicts "a" and recycles memory of evicted records
-        store.put(_record(f"{i + 1:064x}", 10.0 + i))
+    for i in range(4):  # evicts "a"; its bytes stay reserved (and counted) while it is held
+        assert store.put(_record(f"{i + 1:064x}", 10.0 + i))
     assert not store.contains("a" * 64)
     np.testing.assert_array_equal(held.parts["k"], np.ones((1, 4), np.float32))
     np.testing.assert_array_equal(view, np.ones(4, np.float32))
-    for i in (2, 3):  # records placed in recycled memory hold their own values
+    assert len(store) == 1 and store.memory_bytes <= store.capacity_bytes
+    np.testing.assert_array_equal(
+        store.get(f"{4:064x}").parts["k"], np.full((1, 4), 13.0, np.float32)
+    )
+    del held, view
+    for i in (5, 6):  # the reader let go: its bytes are reused and two records fit again
+        assert store.put(_record(f"{i:064x}", 10.0 + i))
+    assert len(store) == 2 and store.stats()["evictions"] == 5
+    for i in (5, 6):  # records placed in recycled memory hold their own values
         np.testing.assert_array_equal(
-            store.get(f"{i + 1:064x}").parts["k"], np.full((1, 4), 10.0 + i, np.float32)
+            store.get(f"{i:064x}").parts["k"], np.full((1, 4), 10.0 + i, np.float32)
         )
 
 
@@ -184,6 +196,143 @@ def test_host_store_stats_counters():
         "bytes": 64,
     }
     assert {k: st[k] for k in want} == want
+
+
+def test_host_store_preallocate_bytes_must_fit_the_capacity():
+    for bad in (-1, 1.5, True, (1 << 20) + 1):
+        with pytest.raises(ValueError, match="preallocate_bytes"):
+            HostStore(1 << 20, preallocate_bytes=bad)
+    assert HostStore(1 << 20, preallocate_bytes=0).memory_bytes == 0
+    assert HostStore(1 << 20, preallocate_bytes=1 << 20).memory_bytes == 1 << 20
+
+
+def test_host_store_maps_a_bounded_arena_up_front_and_grows_in_chunks():
+    huge = HostStore(1 << 40)  # a terabyte of capacity maps 256 MiB now, not a terabyte
+    assert huge.memory_bytes == 256 << 20
+    del huge
+    lazy = HostStore(1 << 40, preallocate_bytes=0)
+    assert lazy.memory_bytes == 0
+    assert lazy.put(_record("a" * 64, 1.0))
+    assert lazy.memory_bytes == 64 << 20  # one chunk, touched when mapped
+    small = HostStore(1000)  # capacities under a chunk map exactly the capacity
+    assert small.memory_bytes == 1000
+
+
+def _arena_ranges(store) -> list[tuple[int, int]]:
+    out = []
+    for chunk in store._chunks.values():
+        start = np.frombuffer(chunk.mem, np.uint8).ctypes.data
+        out.append((start, start + chunk.nbytes))
+    return out
+
+
+def test_host_store_copies_into_its_arena_without_fresh_allocations():
+    block = 1 << 14
+    records = [
+        BlockRecord(f"{i:064x}", "L", "T", {"k": np.full((4, block // 16), i, np.float32)})
+        for i in range(64)
+    ]
+    for capacity in (16 * block, 64 * block):  # cold (empty) and evicting at capacity
+        store = HostStore(capacity, preallocate_bytes=capacity)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for record in records:
+                assert store.put(record)
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        # Python objects only (dicts, views): far below one copy of the records' bytes.
+        assert grown < len(records) * block // 8, grown
+        assert store.memory_bytes == capacity  # the arena did not grow
+        ranges = _arena_ranges(store)
+        for i in range(64 - capacity // block, 64):
+            got = store.get(f"{i:064x}").parts["k"]
+            np.testing.assert_array_equal(got, records[i].parts["k"])
+            assert not got.flags.writeable
+            assert any(
+                lo <= got.ctypes.data and got.ctypes.data + got.nbytes <= hi for lo, hi in ranges
+            )
+
+
+def test_host_store_reuses_evicted_bytes_in_place():
+    store = HostStore(3 * 64, preallocate_bytes=3 * 64)
+    addresses = set()
+    for i in range(12):
+        assert store.put(_record(f"{i:064x}", float(i), n=16))  # 64-byte records
+        addresses.add(store.get(f"{i:064x}").parts["k"].ctypes.data)
+    assert len(addresses) == 3 and store.stats()["evictions"] == 9
+
+
+def test_host_store_memory_stays_within_capacity_under_mixed_sizes_and_readers():
+    rng = np.random.default_rng(9)
+    capacity = 4096
+    store = HostStore(capacity, preallocate_bytes=0)
+    held: dict[str, tuple[BlockRecord, float]] = {}
+    for i in range(600):
+        n = int(rng.choice([4, 16, 40, 100]))
+        key = f"{i:064x}"
+        stored = store.put(_record(key, float(i), n=n))
+        assert store.memory_bytes <= capacity and store.nbytes <= capacity
+        if stored and rng.random() < 0.2:
+            held[key] = (store.get(key), float(i))
+        if held and rng.random() < 0.3:
+            held.pop(next(iter(held)))  # the oldest reader lets go
+        for record, value in held.values():  # what readers hold is never overwritten
+            assert np.all(record.parts["k"] == value)
+    st = store.stats()
+    assert st["evictions"] > 100 and st["blocks"] == len(store)
+
+
+def _segment(n_blocks: int, value: float = 0.0, width: int = 4) -> Segment:
+    """A segment of numpy memory standing in for a pinned transfer's output."""
+    k = np.arange(n_blocks * width, dtype=np.float32).reshape(n_blocks, 1, width) + value
+    host = k.copy()
+    host.flags.writeable = False
+    return Segment({"k": k}, {"k": host})
+
+
+def _segment_records(segment: Segment, first_key: int) -> list[BlockRecord]:
+    return [
+        BlockRecord(f"{first_key + j:064x}", "L", "T", {"k": segment.host["k"][j]}, (segment, j))
+        for j in range(segment.blocks)
+    ]
+
+
+def test_host_store_keeps_segments_without_copying_and_counts_them_whole():
+    store = HostStore(200, preallocate_bytes=0)
+    first = _segment(4)  # 4 blocks of 16 bytes: 64 bytes
+    for record in _segment_records(first, 0):
+        assert store.put(record)
+    assert store.memory_bytes == first.nbytes == 64  # no arena, no copy
+    for j in range(4):
+        got = store.get(f"{j:064x}")
+        assert got.parts["k"].ctypes.data == first.host["k"][j].ctypes.data
+        assert got.source[0] is first and not got.parts["k"].flags.writeable
+    second = _segment(8, value=100.0)  # 128 bytes: 64 + 128 fits in 200
+    records = _segment_records(second, 10)
+    assert store.put(records[0])
+    assert store.memory_bytes == 64 + 128
+    third = _segment(4, value=200.0)  # 64 more: the oldest blocks go until `first` is gone
+    assert store.put(_segment_records(third, 30)[0])
+    st = store.stats()
+    assert st["evictions"] == 4 and store.memory_bytes == 128 + 64
+    assert not any(store.contains(f"{j:064x}") for j in range(4))
+    assert store.contains(f"{10:064x}") and store.contains(f"{30:064x}")
+
+
+def test_host_store_copies_a_record_whose_source_is_not_its_memory():
+    store = HostStore(1 << 10, preallocate_bytes=1 << 10)
+    segment = _segment(2)
+    other = np.ones((1, 4), np.float32)  # claims block 0 of `segment`, holds other bytes
+    record = BlockRecord("a" * 64, "L", "T", {"k": other}, (segment, 0))
+    assert store.put(record)
+    got = store.get("a" * 64)
+    assert got.source is None and store.memory_bytes == 1 << 10
+    np.testing.assert_array_equal(got.parts["k"], other)
+    too_big = _segment(100)  # a segment larger than the capacity: its block is copied
+    assert store.put(_segment_records(too_big, 5)[0])
+    assert store.get(f"{5:064x}").source is None
 
 
 # --------------------------------------------------------------------------------------------

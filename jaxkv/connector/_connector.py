@@ -18,10 +18,22 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from jaxkv.connector import _hashing
-from jaxkv.connector._layout import PoolView, gather_blocks, stage_blocks, view_of
-from jaxkv.connector._records import BlockRecord
-from jaxkv.connector._staging import StagingCache
+from jaxkv.connector._layout import (
+    PoolView,
+    gather_blocks,
+    gather_segment,
+    segment_staging,
+    stage_blocks,
+    view_of,
+)
+from jaxkv.connector._records import BlockRecord, Segment, is_block_of
+from jaxkv.connector._staging import StagingCache, pinned_device
 from jaxkv.connector.stores import BlockStore
+
+# A load sends a whole segment back to the device when it needs at least this share of its
+# bytes; for fewer blocks, copying them on the host into pinned staging moves less. On an H200,
+# the link ran at 48 GB/s against 7 GB/s for a host copy: sending whole wins above 1/8.
+_WHOLE_SEGMENT_SHARE = 1 / 8
 
 
 def min_block_count(per_rank_counts: Sequence[int]) -> int:
@@ -189,13 +201,21 @@ class KVConnector:
             return [], []
         bs = self.block_size
         rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in missing])
-        staged, staging = stage_blocks(view, rows, bs, self._staging)
+        # Accelerators: the transfer's pinned output becomes the records' memory (a segment
+        # nobody reuses), so a store can keep it. Elsewhere the records are views of reused
+        # staging, valid until `staging` is given back.
+        segment = gather_segment(view, rows, bs)
+        if segment is not None:
+            staged, staging = segment.host, []
+        else:
+            staged, staging = stage_blocks(view, rows, bs, self._staging)
         records = [
             BlockRecord(
                 key=digests[i].hex(),
                 layout=self.fingerprint,
                 tokens=_hashing.block_digest(data[4 * i * bs : 4 * (i + 1) * bs]),
                 parts={key: arr[j] for key, arr in staged.items()},
+                source=None if segment is None else (segment, j),
             )
             for j, i in enumerate(missing)
         ]
@@ -329,6 +349,51 @@ class KVConnector:
         if not records:
             return pool, 0
         n = len(records) * bs
+        for g, (segment, group) in enumerate(self._load_groups(view, records)):
+            if g:
+                view = self._view(pool)  # the pool the previous write returned
+            rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in group])
+            if segment is not None:
+                keys = [p.key for p in view.layout.parts]
+                like = view.arrays(view.layout.parts[:1])[0][0]
+                index = np.array([records[i].source[1] for i in group])
+                pool = view.write(rows, segment_staging(segment, keys, index, like), bs)
+            else:
+                pool = self._write_staged(view, [records[i] for i in group], rows)
+        self._count("blocks_loaded", len(records))
+        self._count("bytes_loaded", sum(r.nbytes for r in records))
+        return pool, n
+
+    def _load_groups(
+        self, view: PoolView, records: list[BlockRecord]
+    ) -> list[tuple[Segment | None, list[int]]]:
+        """Splits the records of a load into writes: one per segment worth sending to the
+        device whole (accelerators), then one of the rest, staged on the host."""
+        parts = view.layout.parts
+        device = None
+        if all(view.host_layers(p) is None for p in parts):
+            device = pinned_device(view.arrays(parts[:1])[0][0])
+        if device is None:
+            return [(None, list(range(len(records))))]
+        by_segment: dict[int, list[int]] = {}
+        for i, record in enumerate(records):
+            if is_block_of(record):
+                by_segment.setdefault(id(record.source[0]), []).append(i)
+        groups: list[tuple[Segment | None, list[int]]] = []
+        whole: set[int] = set()
+        for group in by_segment.values():
+            segment = records[group[0]].source[0]
+            if sum(records[i].nbytes for i in group) >= _WHOLE_SEGMENT_SHARE * segment.nbytes:
+                groups.append((segment, group))
+                whole.update(group)
+        rest = [i for i in range(len(records)) if i not in whole]
+        return groups + ([(None, rest)] if rest else [])
+
+    def _write_staged(self, view: PoolView, records: list[BlockRecord], rows: np.ndarray):
+        """Writes `records` at `rows` through host staging: the records are stacked per layer
+        into staging memory that reaches the device without a further host copy (XLA-owned on
+        CPU, pinned on accelerators)."""
+        bs = self.block_size
         with contextlib.ExitStack() as stack:
             staging = []
             for p in view.layout.parts:
@@ -341,10 +406,7 @@ class KVConnector:
                 for li, host in enumerate(slot.host):
                     np.stack([r.parts[p.key][li] for r in records], out=host)
                 staging.append(slot)
-            new_pool = view.write(slots[:n], staging, bs)
-        self._count("blocks_loaded", len(records))
-        self._count("bytes_loaded", sum(r.nbytes for r in records))
-        return new_pool, n
+            return view.write(rows, staging, bs)
 
     def _valid(self, record: BlockRecord, block_tokens: bytes) -> bool:
         if record.layout != self.fingerprint:

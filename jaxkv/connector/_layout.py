@@ -22,7 +22,15 @@ import numpy as np
 from jaxkv import _dtypes, _kernels
 from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _foreign
-from jaxkv.connector._staging import StagingCache, StagingSlot, on_device, to_host
+from jaxkv.connector._records import Segment
+from jaxkv.connector._staging import (
+    StagingCache,
+    StagingSlot,
+    host_view,
+    on_device,
+    pinned_device,
+    to_host,
+)
 from jaxkv.errors import UnsupportedKVCacheError
 
 # jaxkv buffer attribute -> export key.
@@ -532,3 +540,60 @@ def stage_blocks(
         np.stack([to_host(x) for x in layers], axis=1, out=buf)
         out[part.key] = buf
     return out, list(out.values())
+
+
+# ---- accelerator path: segments in pinned host memory -----------------------------------------
+
+
+def gather_segment(view: PoolView, slots: np.ndarray, block_size: int) -> Segment | None:
+    """The blocks at `slots` as a `Segment` in pinned host memory, or None when the pool's
+    buffers are not on one device with pinned host memory (use `stage_blocks` then).
+
+    One jitted gather stacks every layer's blocks on the device, and one transfer moves each
+    part to pinned host memory: the segment is the transfer's own output, which a store
+    keeps without a host copy and a load sends back as it is.
+    """
+    if any(view.host_layers(p) is not None for p in view.layout.parts):
+        return None
+    arrays = view.arrays()
+    dev = pinned_device(arrays[0][0])
+    if dev is None or any(pinned_device(bufs[0]) != dev for bufs in arrays):
+        return None
+    codecs = tuple(p.codec for p in view.layout.parts)
+    starts = block_starts(slots, block_size)
+    staged = _gather_jit(arrays, slots.astype(np.int32), starts, codecs, block_size)
+    pinned = jax.device_put(
+        list(staged), jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    )
+    keys = [p.key for p in view.layout.parts]
+    return Segment(dict(zip(keys, pinned)), {k: host_view(x) for k, x in zip(keys, pinned)})
+
+
+def _pick_layers(parts, index):
+    """Per part, per layer `(n, block_size, *row)`: blocks `index` (None: all, in order)."""
+    return tuple(
+        tuple((p if index is None else p[index])[:, li] for li in range(p.shape[1])) for p in parts
+    )
+
+
+_pick_layers_jit = jax.jit(_pick_layers)
+
+
+def segment_staging(
+    segment: Segment, keys: Sequence[str], index: np.ndarray, like: jax.Array
+) -> list[StagingSlot]:
+    """Device-side staging (one `StagingSlot` per part in `keys`) of blocks `index` of
+    `segment`, for a write into buffers on `like`'s device.
+
+    The segment moves from pinned host memory to device memory as it is (the link's speed,
+    no host copy); picking the blocks and splitting them per layer runs on the device.
+    """
+    dev = next(iter(like.sharding.device_set))
+    on_dev = jax.device_put(
+        [segment.arrays[k] for k in keys],
+        jax.sharding.SingleDeviceSharding(dev, memory_kind="device"),
+    )
+    index = np.asarray(index, np.int32)
+    whole = index.shape[0] == segment.blocks and np.array_equal(index, np.arange(segment.blocks))
+    layers = _pick_layers_jit(tuple(on_dev), None if whole else index)
+    return [StagingSlot((), tuple(per_layer)) for per_layer in layers]

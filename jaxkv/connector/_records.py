@@ -32,18 +32,66 @@ class CorruptRecordError(ValueError):
     """Stored bytes that are not an intact record of the expected key."""
 
 
+class Segment:
+    """Host memory that one device-to-host transfer produced and handed over for good.
+
+    Per part, a block-major array `(n_blocks, layer_num, block_size, *row)`: `host[name]` is a
+    read-only numpy view of `arrays[name]`, the transfer's own output (a jax array in pinned
+    host memory on accelerators). Nothing writes it after the transfer, so a store may keep
+    blocks of it instead of copying them, and a load may send it back to the device as it is.
+
+    Attributes:
+        arrays: per part, the jax array the transfer produced (kept opaque here).
+        host: per part, a read-only numpy view of the same memory.
+        nbytes: bytes of all parts.
+        blocks: blocks per part (`n_blocks`).
+    """
+
+    __slots__ = ("arrays", "host", "nbytes", "blocks")
+
+    def __init__(self, arrays: Mapping[str, object], host: Mapping[str, np.ndarray]):
+        self.arrays = dict(arrays)
+        self.host = dict(host)
+        self.nbytes = sum(int(a.nbytes) for a in self.host.values())
+        self.blocks = int(next(iter(self.host.values())).shape[0]) if self.host else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockRecord:
-    """One stored block: `parts[name]` has shape `(layer_num, block_size, *row)`."""
+    """One stored block: `parts[name]` has shape `(layer_num, block_size, *row)`.
+
+    `source`, when set, is `(segment, index)`: the parts are block `index` of `segment`, memory
+    nobody writes again (see `Segment`). Records without one are only valid while the call that
+    received them runs, unless their producer says otherwise.
+    """
 
     key: str
     layout: str
     tokens: str
     parts: Mapping[str, np.ndarray]
+    source: tuple[Segment, int] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.parts.values())
+
+
+def is_block_of(record: BlockRecord) -> bool:
+    """Whether `record` has a source and its parts are exactly that block of the segment."""
+    if record.source is None:
+        return False
+    segment, index = record.source
+    if set(record.parts) != set(segment.host) or not 0 <= index < segment.blocks:
+        return False
+    for name, arr in record.parts.items():
+        block = segment.host[name][index]
+        if (
+            arr.shape != block.shape
+            or arr.dtype != block.dtype
+            or arr.__array_interface__["data"][0] != block.__array_interface__["data"][0]
+        ):
+            return False
+    return True
 
 
 def encode(record: BlockRecord) -> bytes:
