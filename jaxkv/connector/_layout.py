@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxkv import _dtypes, _kernels
 from jaxkv._pool_base import PoolBase
+from jaxkv.connector import _foreign
 from jaxkv.connector._records import Segment
 from jaxkv.connector._staging import (
     StagingCache,
@@ -86,24 +87,22 @@ _UNSUPPORTED = (
 )
 
 
-def _host_view(x) -> np.ndarray | None:
-    """A numpy view of a foreign buffer that lives in host memory, else None.
+def _host_view(x):
+    """`x` as jaxkv moves it itself, outside XLA, else None (jax arrays, and other frameworks'
+    accelerator buffers, which XLA reads through DLPack).
 
-    Host buffers are gathered and written with numpy: importing them into XLA through DLPack
-    would let an XLA worker thread drop the last reference and run the producer's deleter,
-    which aborted the process when that happened during interpreter shutdown.
+    That is a zero-copy numpy view of host memory (numpy, torch CPU tensors, any DLPack
+    exporter on the CPU), or a raw-bit torch view of a torch tensor on an accelerator. Host
+    buffers are never imported into XLA through DLPack: an XLA worker thread could drop the
+    last reference and run the producer's deleter, which aborted the process when that
+    happened during interpreter shutdown.
     """
-    if isinstance(x, jax.Array):
-        return None
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "__dlpack__") and getattr(x, "__dlpack_device__", lambda: (0, 0))()[0] == 1:
-        return np.from_dlpack(x)  # kDLCPU
-    return None
+    return _foreign.direct_view(x)
 
 
 def _device_array(x) -> jax.Array:
-    """A jax view of a foreign device buffer (zero-copy through DLPack)."""
+    """A jax view of a foreign device buffer (zero-copy through DLPack); jax arrays, on any
+    device, are used as they are and never exported to numpy."""
     if isinstance(x, jax.Array):
         return x
     if hasattr(x, "__dlpack__"):
@@ -118,8 +117,10 @@ class PoolView:
         self.pool = pool
         self.layout = layout
 
-    def host_layers(self, part: Part) -> list[np.ndarray] | None:
-        """The part's layer buffers as numpy views when they live in host memory, else None."""
+    def host_layers(self, part: Part) -> list | None:
+        """The part's layer buffers when jaxkv moves them outside XLA, else None: numpy views
+        of host memory, or raw-bit torch views of torch tensors on an accelerator (both are
+        read with `_numpy_blocks` into host arrays and written in place)."""
         views = [_host_view(b) for b in getattr(self.pool, part.attr)]
         return views if all(v is not None for v in views) else None
 
@@ -163,29 +164,52 @@ class _JaxkvView(PoolView):
 
 
 class _ForeignView(PoolView):
-    """SGLang-shaped objects: jax buffers are replaced functionally (the object's sequence is
-    swapped for the new arrays); host buffers numpy can write are updated in place."""
+    """SGLang-shaped objects. Buffers jaxkv moves itself (host memory, torch tensors on an
+    accelerator) are written in place; jax buffers are replaced functionally (the object's
+    sequence is swapped for the new arrays, donated ones replaced in place on the device)."""
 
-    def write(self, slots, staging, block_size):
-        starts = block_starts(slots, block_size)
-        for part, st in zip(self.layout.parts, staging):
+    def _check_writable(self) -> list:
+        """Per part, its `host_layers` (None for jax parts), once every part and layer is known
+        to be writable: a load that cannot finish raises before it changes anything."""
+        name = type(self.pool).__name__
+        direct = []
+        for part in self.layout.parts:
             layers = getattr(self.pool, part.attr)
             host = self.host_layers(part)
+            direct.append(host)
             if host is not None:
                 for li, buf in enumerate(host):
-                    if not buf.flags.writeable:
+                    problem = _foreign.writable_problem(buf, part.codec)
+                    if problem is not None:
                         raise TypeError(
-                            f"{part.attr}[{li}]: cannot write into a read-only "
-                            f"{type(layers[li]).__name__}; pass writable host arrays or jax arrays"
+                            f"{part.attr}[{li}]: cannot write into {problem} "
+                            f"({type(layers[li]).__name__}); pass writable, contiguous host "
+                            "arrays, torch tensors or jax arrays"
                         )
-                    rows = st.host[li]
-                    _numpy_write(part.codec, buf, slots, rows.reshape(-1, *rows.shape[2:]))
                 continue
             if not all(isinstance(b, jax.Array) for b in layers):
                 raise TypeError(
                     f"{part.attr}: cannot write into {type(layers[0]).__name__} buffers on a "
-                    "device; pass jax arrays, or host arrays numpy can write"
+                    "device; pass jax arrays, torch tensors, or host arrays numpy can write"
                 )
+            try:  # the functional path swaps the sequence: the attribute must be settable
+                setattr(self.pool, part.attr, layers)
+            except AttributeError as err:
+                raise TypeError(
+                    f"{part.attr}: {name} does not let its jax buffers be replaced ({err})"
+                ) from err
+        return direct
+
+    def write(self, slots, staging, block_size):
+        direct = self._check_writable()
+        starts = block_starts(slots, block_size)
+        for part, st, host in zip(self.layout.parts, staging, direct):
+            layers = getattr(self.pool, part.attr)
+            if host is not None:
+                for li, buf in enumerate(host):
+                    rows = st.host[li] if st.host else to_host(st.device[li])
+                    _numpy_write(part.codec, buf, slots, rows.reshape(-1, *rows.shape[2:]))
+                continue
             staged = on_device(st, layers[0])
             new = _scatter_donated(
                 (tuple(layers),), slots.astype(np.int32), starts, (staged,), (part.codec,)
@@ -195,34 +219,17 @@ class _ForeignView(PoolView):
         return self.pool
 
 
-def _index_positions(codec, slots: np.ndarray, n_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    keys, scales = codec.flat_index(jnp.asarray(slots, jnp.int32), n_pages)
-    return np.asarray(keys), np.asarray(scales)
+def _numpy_write(codec, host, slots: np.ndarray, rows: np.ndarray) -> None:
+    """Writes raw-bit `rows (T, *row)` at `slots` into a `host_layers` buffer, in place."""
+    _foreign.write_rows(host, codec, slots, rows)
 
 
-def _numpy_write(codec, host: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-    rows = rows.view(host.dtype) if rows.dtype != host.dtype else rows
-    if isinstance(codec, _kernels.RowCodec):
-        host[slots] = rows
-        return
-    keys, scales = _index_positions(codec, slots, host.shape[0])
-    flat = host.reshape(-1)
-    flat[keys] = rows[:, : codec.head_dim]
-    flat[scales] = rows[:, codec.head_dim :]
-
-
-def _numpy_blocks(part: Part, layers: list[np.ndarray], slots: np.ndarray, block_size: int):
-    """Block-major bits `(n_blocks, layer_num, block_size, *row)` of host buffers."""
+def _numpy_blocks(part: Part, layers: list, slots: np.ndarray, block_size: int):
+    """Block-major bits `(n_blocks, layer_num, block_size, *row)` of `host_layers` buffers."""
     n_blocks = len(slots) // block_size
     out = np.empty((n_blocks, len(layers), block_size, *part.row_shape), part.bits_dtype)
     for li, buf in enumerate(layers):
-        bits = buf.view(part.bits_dtype) if buf.dtype != part.bits_dtype else buf
-        if isinstance(part.codec, _kernels.RowCodec):
-            rows = bits[slots]
-        else:
-            keys, scales = _index_positions(part.codec, slots, bits.shape[0])
-            flat = bits.reshape(-1)
-            rows = np.concatenate([flat[keys], flat[scales]], axis=-1)
+        rows = _foreign.read_rows(buf, part.codec, slots, part.bits_dtype)
         out[:, li] = rows.reshape(n_blocks, block_size, *part.row_shape)
     return out
 
@@ -263,6 +270,69 @@ def _layers(pool, attr: str) -> list | None:
     return layers
 
 
+# Per-token scale side buffers of SGLang's quantised pools (FP4/MXFP8 KV): blocks without them
+# would reload unreadable values, so such pools are refused rather than silently half-copied.
+_SCALE_ATTRS = ("k_scale_buffer", "v_scale_buffer")
+
+
+def _unsupported(name: str, why: str) -> UnsupportedKVCacheError:
+    return UnsupportedKVCacheError(f"Unsupported KV cache type {name}: {why}")
+
+
+def logical_dtype(pool, buffers_dtype) -> str:
+    """The dtype a pool's layout is keyed by: its `dtype` attribute when it has one (SGLang's
+    fp8 pools say float8_e4m3fn over uint8 buffers, as jaxkv pools do), else its buffers'."""
+    dtype = getattr(pool, "dtype", None)
+    if dtype is None:
+        return _foreign.dtype_name(buffers_dtype)
+    try:
+        return _foreign.dtype_name(dtype)
+    except TypeError as err:
+        raise ValueError(
+            f"pool.dtype: expected a dtype (numpy, jax, torch or its name), got {dtype!r}"
+        ) from err
+
+
+def _check_family(name: str, attr: str, layers: list, n_layers: int, rows: int | None) -> None:
+    """Every layer of a buffer family alike: count, shape, dtype, and how jaxkv moves it."""
+    if len(layers) != n_layers:
+        raise _unsupported(name, f"{attr} has {len(layers)} layers, expected {n_layers}")
+    first = layers[0]
+    shape, dtype, kind = tuple(first.shape), _foreign.buffer_dtype(first), _foreign.kind(first)
+    if rows is not None and shape[0] != rows:
+        raise _unsupported(name, f"{attr}[0] has {shape[0]} rows, expected {rows}")
+    for li, b in enumerate(layers[1:], 1):
+        got = (tuple(b.shape), _foreign.buffer_dtype(b), _foreign.kind(b))
+        if got != (shape, dtype, kind):
+            raise _unsupported(
+                name,
+                f"{attr}[{li}] is a {got[2]} buffer {got[0]} {got[1].name}, expected a "
+                f"{kind} buffer {shape} {dtype.name} like {attr}[0]",
+            )
+
+
+def _index_part(name: str, buf, rows: int, page_size: int | None) -> Part:
+    """NSA's page-packed indexer buffer `(pages, page_size * (head_dim + 4))` uint8."""
+    pages, width = (int(d) for d in buf.shape)
+    if _foreign.buffer_dtype(buf) != jnp.uint8 or not pages or rows % pages:
+        raise _unsupported(
+            name,
+            f"index_k_with_scale_buffer: expected uint8 pages dividing the {rows} rows, got "
+            f"{tuple(buf.shape)} {_foreign.buffer_dtype(buf).name}",
+        )
+    page = rows // pages
+    if (page_size is not None and page != page_size) or width % page or width // page <= 4:
+        raise _unsupported(
+            name,
+            f"index_k_with_scale_buffer: expected pages of page_size * (head_dim + 4) bytes for "
+            f"page_size {page_size or page}, got {tuple(buf.shape)} over {rows} rows",
+        )
+    head_dim = width // page - 4
+    codec = _kernels.IndexCodec(page, head_dim)
+    attr = "index_k_with_scale_buffer"
+    return Part("index_k", attr, (head_dim + 4,), jnp.dtype(jnp.uint8), codec)
+
+
 def _foreign_layout(pool) -> Layout:
     name = type(pool).__name__
     kv, k, v = _layers(pool, "kv_buffer"), _layers(pool, "k_buffer"), _layers(pool, "v_buffer")
@@ -275,39 +345,33 @@ def _foreign_layout(pool) -> Layout:
         kind = "mha" if v is not None else "k_only"
     else:
         raise UnsupportedKVCacheError(_UNSUPPORTED.format(name=name))
+    for attr in _SCALE_ATTRS:
+        if _layers(pool, attr) is not None:
+            raise _unsupported(
+                name,
+                f"its per-token scales ({attr}) are not part of jaxkv blocks; reloading the "
+                "values without them would corrupt the cache",
+            )
     main = families[0][1]
     rows = int(main[0].shape[0])
-    for attr, layers in families:
-        for li, b in enumerate(layers):
-            if len(layers) != len(main):
-                raise UnsupportedKVCacheError(
-                    f"Unsupported KV cache type {name}: {attr} has {len(layers)} layers, "
-                    f"{families[0][0]} has {len(main)}"
-                )
-            if attr != "index_k_with_scale_buffer" and int(b.shape[0]) != rows:
-                raise UnsupportedKVCacheError(
-                    f"Unsupported KV cache type {name}: {attr}[{li}] has {b.shape[0]} rows, "
-                    f"expected {rows}"
-                )
-    page_size = int(getattr(pool, "page_size", 1) or 1)
+    declared_page = getattr(pool, "page_size", None)
+    page_size = int(declared_page or 1)
     parts = []
     for attr, layers in families:
-        b = layers[0]
-        dt = jnp.dtype(b.dtype)
-        if attr == "index_k_with_scale_buffer":
-            pages = int(b.shape[0])
-            page_size = rows // pages if pages else page_size
-            head_dim = int(b.shape[1]) // page_size - 4
-            codec = _kernels.IndexCodec(page_size, head_dim)
-            parts.append(Part("index_k", attr, (head_dim + 4,), jnp.dtype(jnp.uint8), codec))
-        else:
-            row = tuple(int(d) for d in b.shape[1:])
-            parts.append(
-                Part(_PART_KEYS[attr], attr, row, _dtypes.bits_dtype(dt), _kernels.RowCodec(dt))
-            )
+        is_index = attr == "index_k_with_scale_buffer"
+        _check_family(name, attr, layers, len(main), None if is_index else rows)
+        if is_index:
+            parts.append(_index_part(name, layers[0], rows, page_size if declared_page else None))
+            page_size = parts[-1].codec.page_size
+            continue
+        dt = _foreign.buffer_dtype(layers[0])
+        row = tuple(int(d) for d in layers[0].shape[1:])
+        parts.append(
+            Part(_PART_KEYS[attr], attr, row, _dtypes.bits_dtype(dt), _kernels.RowCodec(dt))
+        )
     return Layout(
         kind=kind,
-        dtype=jnp.dtype(main[0].dtype).name,
+        dtype=logical_dtype(pool, main[0].dtype),
         page_size=page_size,
         start_layer=int(getattr(pool, "start_layer", 0) or 0),
         layer_num=len(main),
