@@ -192,14 +192,19 @@ def run(
     new_tokens: int = 32,
     dtype: str = "bf16",
     cache_dir: str | None = None,
+    config: DecoderConfig | None = None,
 ) -> int:
-    """Runs the demo; returns 0 when every check passes, else 1."""
+    """Runs the demo; returns 0 when every check passes, else 1.
+
+    `config` replaces the decoder's sizes (its `attention` is set from `attention`); tests use
+    it to run the same program on a smaller model.
+    """
     wall = time.perf_counter()
     if requests < 1 or new_tokens < 1:
         raise ValueError(
             f"requests, new_tokens: expected >= 1, got requests={requests}, new_tokens={new_tokens}"
         )
-    cfg = DecoderConfig(attention=attention)
+    cfg = dataclasses.replace(config or DecoderConfig(), attention=attention)
     model, tok = Decoder(cfg), ByteTokenizer()
     params = model.init_params()
     reqs = _requests(tok, requests, new_tokens)

@@ -79,9 +79,8 @@ class GQA:
         q, k, v = self._qkv(p, x, positions)
         kv_heads, dim = self.cfg.n_kv_heads, self.cfg.head_dim
         pool = pool.set_kv(layer, loc, k.reshape(b * t, kv_heads, dim), v.reshape(b * t, -1, dim))
-        li = layer - pool.start_layer
-        kc = layers.gather_rows(pool.k_buffer, li, slots, pool.dtype)  # (B, C, Hkv, D)
-        vc = layers.gather_rows(pool.v_buffer, li, slots, pool.dtype)
+        kc = layers.gather_rows(pool.get_key_buffer(layer), slots)  # (B, C, Hkv, D)
+        vc = layers.gather_rows(pool.get_value_buffer(layer), slots)
         q = q.reshape(b, t, kv_heads, self.groups, dim)
         s = jnp.einsum("btkgd,bckd->bkgtc", q, kc) * self.scale
         s = jnp.where(mask[:, None, None], s, layers.MASKED)
@@ -156,7 +155,7 @@ class MLA:
         pool = pool.set_mla_kv(
             layer, loc, latent.reshape(b * t, 1, -1), k_rope.reshape(b * t, 1, -1)
         )
-        rows = layers.gather_rows(pool.kv_buffer, layer - pool.start_layer, slots, pool.dtype)
+        rows = layers.gather_rows(pool.get_key_buffer(layer), slots)  # (B, C, 1, R + P)
         ctx_latent, ctx_rope = rows[:, :, 0, : c.kv_lora_rank], rows[:, :, 0, c.kv_lora_rank :]
         q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, p["k_up"])
         s = jnp.einsum("bthr,bcr->bhtc", q_latent, ctx_latent)

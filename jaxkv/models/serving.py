@@ -123,6 +123,10 @@ class CompiledSteps:
     def __len__(self) -> int:
         return len(self._compiled)
 
+    def shapes(self) -> list[tuple]:
+        """`(tokens shape (B, T), context)` of every compiled step; T == 1 is decode."""
+        return [(key[2], key[3]) for key in self._compiled]
+
 
 _STEPS: dict = {}
 
