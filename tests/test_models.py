@@ -141,3 +141,15 @@ def test_config_errors_name_the_argument():
         DecoderConfig(n_kv_heads=3)
     with pytest.raises(ValueError, match="head_dim: rotary positions need an even size"):
         DecoderConfig(head_dim=63)
+
+
+def test_reference_attention_in_query_chunks_equals_one_block():
+    # Long references go `chunk` queries at a time (a 16K sequence never holds all scores).
+    from jaxkv.models import layers
+
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal((1300, 4, 8)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1300, 4, 6)), jnp.float32)
+    chunked = layers.causal_attention(q, k, v, 0.3, chunk=512)
+    whole = layers.causal_attention(q, k, v, 0.3, chunk=4096)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=0, atol=1e-5)

@@ -81,10 +81,13 @@ class GQA:
         pool = pool.set_kv(layer, loc, k.reshape(b * t, kv_heads, dim), v.reshape(b * t, -1, dim))
         kc = layers.gather_rows(pool.get_key_buffer(layer), slots)  # (B, C, Hkv, D)
         vc = layers.gather_rows(pool.get_value_buffer(layer), slots)
-        q = q.reshape(b, t, kv_heads, self.groups, dim)
-        s = jnp.einsum("btkgd,bckd->bkgtc", q, kc) * self.scale
-        s = jnp.where(mask[:, None, None], s, layers.MASKED)
-        o = jnp.einsum("bkgtc,bckd->btkgd", jax.nn.softmax(s, axis=-1), vc)
+
+        def attend(q, mask):  # q (B, T', Hkv, G, D), mask (B, T', C)
+            s = jnp.einsum("btkgd,bckd->bkgtc", q, kc) * self.scale
+            s = jnp.where(mask[:, None, None], s, layers.MASKED)
+            return jnp.einsum("bkgtc,bckd->btkgd", jax.nn.softmax(s, axis=-1), vc)
+
+        o = layers.over_query_chunks(attend, q.reshape(b, t, kv_heads, self.groups, dim), mask)
         return jnp.einsum("bthd,hde->bte", o.reshape(b, t, -1, dim), p["o"]), pool
 
     def reference(self, p, x, kv_dtype):
@@ -158,10 +161,14 @@ class MLA:
         rows = layers.gather_rows(pool.get_key_buffer(layer), slots)  # (B, C, 1, R + P)
         ctx_latent, ctx_rope = rows[:, :, 0, : c.kv_lora_rank], rows[:, :, 0, c.kv_lora_rank :]
         q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, p["k_up"])
-        s = jnp.einsum("bthr,bcr->bhtc", q_latent, ctx_latent)
-        s = (s + jnp.einsum("bthp,bcp->bhtc", q_rope, ctx_rope)) * self.scale
-        s = jnp.where(mask[:, None], s, layers.MASKED)
-        o_latent = jnp.einsum("bhtc,bcr->bthr", jax.nn.softmax(s, axis=-1), ctx_latent)
+
+        def attend(q_latent, q_rope, mask):
+            s = jnp.einsum("bthr,bcr->bhtc", q_latent, ctx_latent)
+            s = (s + jnp.einsum("bthp,bcp->bhtc", q_rope, ctx_rope)) * self.scale
+            s = jnp.where(mask[:, None], s, layers.MASKED)
+            return jnp.einsum("bhtc,bcr->bthr", jax.nn.softmax(s, axis=-1), ctx_latent)
+
+        o_latent = layers.over_query_chunks(attend, q_latent, q_rope, mask)
         o = jnp.einsum("bthr,rhv->bthv", o_latent, p["v_up"])
         return jnp.einsum("bthv,hve->bte", o, p["o"]), pool
 

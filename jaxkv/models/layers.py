@@ -64,6 +64,21 @@ def gather_rows(buffer: jax.Array, slots: jax.Array) -> jax.Array:
     return jnp.take(buffer, slots, axis=0, mode="clip").astype(jnp.float32)
 
 
+def over_query_chunks(fn, *xs, chunk: int = 256):
+    """`fn(*xs)` computed `chunk` queries at a time; each `x` is `(B, T, ...)`.
+
+    A long prefill's scores `(B, heads, T, C)` are hundreds of MiB; in chunks they stay in
+    cache. Measured on the 4-layer demo model, a 2,304-token prefill: 6.0 s in one block,
+    see BUILD_NOTES.md for the chunked figure. Shapes that do not split evenly run whole.
+    """
+    t = xs[0].shape[1]
+    if t <= chunk or t % chunk:
+        return fn(*xs)
+    split = [jnp.moveaxis(x.reshape(x.shape[0], t // chunk, chunk, *x.shape[2:]), 1, 0) for x in xs]
+    out = jax.lax.map(lambda a: fn(*a), split)  # (n, B, chunk, ...)
+    return jnp.moveaxis(out, 0, 1).reshape(out.shape[1], t, *out.shape[3:])
+
+
 def round_through(x: jax.Array, dtype) -> jax.Array:
     """`x` as a pool of `dtype` would return it (cast, fp8 saturating), back in float32.
 
@@ -97,8 +112,10 @@ def causal_attention(q, k, v, scale: float, chunk: int = 512) -> jax.Array:
         s = jnp.where(jnp.arange(n)[None, :] <= qpos, s, MASKED)
         return jnp.einsum("hts,shd->thd", jax.nn.softmax(s, axis=-1), v)
 
-    if n <= chunk or n % chunk:
+    if n <= chunk:
         return block(0, q)
-    starts = jnp.arange(0, n, chunk)
-    blocks = jax.lax.map(lambda a: block(a[0], a[1]), (starts, q.reshape(-1, chunk, *q.shape[1:])))
-    return blocks.reshape(n, *blocks.shape[2:])
+    pad = -n % chunk  # padded queries attend like the last one; their rows are cut off
+    qs = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, *q.shape[1:])
+    starts = jnp.arange(0, n + pad, chunk)
+    blocks = jax.lax.map(lambda a: block(a[0], a[1]), (starts, qs))
+    return blocks.reshape(n + pad, *blocks.shape[2:])[:n]
