@@ -7,11 +7,12 @@ and a serving loop with paged slots, a request-to-token table, bucketed jitted s
 donate the pool, and prefix reuse through `jaxkv.connector`.
 """
 
-from jaxkv.models.decoder import Decoder, DecoderConfig
+from jaxkv.models.decoder import LOGIT_BOUNDS, Decoder, DecoderConfig
 from jaxkv.models.serving import CompiledSteps, Engine, Request, Result, bucket, steps_for
 from jaxkv.models.tokenizer import ByteTokenizer
 
 __all__ = [
+    "LOGIT_BOUNDS",
     "ByteTokenizer",
     "CompiledSteps",
     "Decoder",

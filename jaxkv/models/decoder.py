@@ -24,6 +24,20 @@ from jaxkv.models import layers
 from jaxkv.models.attention import VARIANTS
 from jaxkv.models.tokenizer import ByteTokenizer
 
+# Largest |logit difference| between a cached run and `Decoder.reference_logits` with K/V
+# rounded to the pool's dtype (logits are of order 1-4). The two compute the same values in
+# different orders, so a float32 K/V element can land on either side of a rounding boundary of
+# the pool dtype; one such flip moves the value by a bf16 step (1/256 of it) or an fp8-e4m3
+# step (1/16), hence the looser fp8 bound. Worst measured: 1.3e-3 (bf16), 1.7e-6 (fp8: flips
+# are rarer, its steps being coarser); see BUILD_NOTES.md.
+LOGIT_BOUNDS = {
+    jnp.dtype(jnp.float32): 1e-4,
+    jnp.dtype(jnp.bfloat16): 5e-3,
+    jnp.dtype(jnp.float16): 5e-3,
+    jnp.dtype(jnp.float8_e4m3fn): 5e-2,
+    jnp.dtype(jnp.float8_e5m2): 1e-1,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
@@ -108,7 +122,9 @@ class Decoder:
         Each entry's `n_new[b]` tokens sit at positions `start[b] ...`; their K/V are written
         at `loc`, then every layer attends over the entry's first `start[b] + n_new[b]` tokens,
         read through `table[rows[b]]` (the request-to-token table). Jit it with the pool
-        donated and every write is in place.
+        donated and every write is in place. Matmuls run at full float32 precision on every
+        backend (GPUs and TPUs would otherwise round their inputs to TF32 or bf16), so the
+        cached run and `reference_logits` agree everywhere.
 
         Args:
             params: from `init_params`.
@@ -125,6 +141,10 @@ class Decoder:
         Returns:
             `(logits (B, vocab) of each entry's last new token, pool)`.
         """
+        with jax.default_matmul_precision("highest"):
+            return self._step(params, pool, table, rows, tokens, start, n_new, loc, ctx)
+
+    def _step(self, params, pool, table, rows, tokens, start, n_new, loc, ctx):
         b, t = tokens.shape
         positions = start[:, None] + jnp.arange(t)[None, :]
         slots = jnp.take(table, rows, axis=0)[:, :ctx]
@@ -153,6 +173,10 @@ class Decoder:
         sequence with no cache. With `kv_dtype`, K and V (MLA: the latent and rope rows) are
         rounded as a pool of that dtype stores them, so the result matches what a cached run
         reads back up to float32 rounding."""
+        with jax.default_matmul_precision("highest"):
+            return self._reference(params, tokens, kv_dtype)
+
+    def _reference(self, params, tokens, kv_dtype):
         h = params["embed"][tokens]
         for blk in params["blocks"]:
             x = layers.rms_norm(h, blk["attn_norm"])
