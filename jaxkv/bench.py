@@ -472,7 +472,7 @@ def bench_serving(quick: bool) -> dict:
         long = cached > 1 << 10
         if not long:
             cases["recompute without cache"] = lambda seq=seq: _ready(recompute(params, seq))
-        med = interleaved(cases, rounds=5 if quick or long else 20, budget_s=4.0)
+        med = interleaved(cases, rounds=3 if quick else (5 if long else 20), budget_s=4.0)
         if long and not quick:
             # One call takes about a minute on 2 cores: compile it, then time a single run.
             exe = recompute.lower(params, seq).compile()

@@ -45,15 +45,11 @@ DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 BOUNDS = {name: LOGIT_BOUNDS[jnp.dtype(dt)] for name, dt in DTYPES.items()}
 
 SYSTEM_PROMPT = (
-    "You are the on-call assistant for a JAX serving cluster. Answer in one or two short "
-    "sentences. Prefer facts from the runbook below and say so when you are unsure.\n"
-    "Runbook. 1. Every model replica keeps its KV cache in a jaxkv pool; page size 16. "
-    "2. Prompts that start with this text reuse its cached blocks from the host store; "
-    "never recompute what the store already holds. 3. If decode latency rises, check the "
-    "batch size first, then the context length, then the host store's hit rate. 4. A pool "
-    "that runs out of pages rejects new requests; it never evicts running ones. 5. Disk "
-    "stores survive restarts; host stores do not. 6. Escalate data corruption at once: "
-    "every block is checksummed and a block that fails is never loaded.\n"
+    "You are the on-call assistant of a JAX serving cluster; answer in one sentence.\n"
+    "Runbook: 1. Replicas keep their KV cache in a jaxkv pool, page size 16. 2. Prompts that "
+    "start with this text reuse its cached blocks. 3. Slow decode: check batch size, then "
+    "context length. 4. A full pool rejects new requests. 5. Disk stores survive restarts. "
+    "6. A block failing its checksum is never loaded.\n"
 )
 QUESTIONS = (
     "Why is decode slower today?",
@@ -62,7 +58,7 @@ QUESTIONS = (
     "Which page size do we use?",
     "Is it safe to load a block that failed its checksum?",
     "Where does the KV cache live?",
-    "How do I check the host store's hit rate, and what should it be for this prompt?",
+    "How do I check the store's hit rate, and what should it be here?",
     "Hi",
 )
 
