@@ -39,6 +39,18 @@ def test_demo_rejects_bad_counts():
     assert proc.returncode == 2 and "--requests and --new-tokens must be at least 1" in proc.stderr
 
 
+def test_pool_walkthrough_example_verifies_every_pool():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "pool_walkthrough.py")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("MHA", "MLA", "K-only"):
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(name))
+        assert line.endswith("bit-exact, in place"), line
+
+
 def test_bench_quick_writes_well_formed_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = _run("bench", "--quick", "--json", str(out), timeout=900)

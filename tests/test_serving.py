@@ -229,3 +229,15 @@ def test_fp8_pool_serves_with_reuse():
     assert [r.reused_tokens for r in reused] == [0, 64, 64, 64]
     for a, b in zip(plain, reused):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_readme_model_walkthrough_runs():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Using jaxkv in your model", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    # The step wrote the new token's K at its slot and kept the pool's buffers.
+    slot = int(scope["new"][0])
+    assert float(scope["pool"].get_key_buffer(0)[slot, 0, 0]) == 1.0
+    assert scope["out"].shape == (2, 1, 2, 64)

@@ -80,7 +80,7 @@ class DecoderConfig:
                 )
 
     def fingerprint(self) -> str:
-        """A short hash of every size and the seed: the weights are a function of it, so it
+        """A short hash of every field, `seed` included: the weights are a function of it, so it
         namespaces stored KV blocks (two models never share a block)."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
