@@ -172,9 +172,17 @@ def test_engine_rejects_bad_requests_and_tiny_pools():
         engine.generate([Request(np.zeros(130, np.int32), 1)])
     with pytest.raises(ValueError, match=r"requests\[1\]: expected a non-empty prompt"):
         engine.generate([Request(np.zeros(3, np.int32), 1), Request(np.zeros(0, np.int32), 1)])
+    with pytest.raises(ValueError, match=r"requests\[0\]: expected token ids in \[0, 258\)"):
+        engine.generate([Request(np.array([3, 258]), 1)])
     tiny = Engine(model, params, pool_size=32, page_size=16, max_batch=2, max_context=128)
     with pytest.raises(RuntimeError, match="pool too small"):
         tiny.generate([Request(np.zeros(40, np.int32), 2)])
+    # 32 prompt tokens fill both pages; the first decode token needs a third.
+    with pytest.raises(RuntimeError, match="no page left for 1 decoding requests"):
+        tiny.generate([Request(np.zeros(32, np.int32), 3)])
+    # The failed call gave its slots and row back: the engine still serves.
+    assert tiny.allocator.available_size() == 32
+    assert len(tiny.generate([Request(np.zeros(20, np.int32), 2)])[0].tokens) == 2
 
 
 def test_requests_beyond_the_batch_wait_and_get_the_same_tokens():

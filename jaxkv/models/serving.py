@@ -276,6 +276,9 @@ class Engine:
                     f"requests[{i}]: prompt ({n}) + max_new_tokens ({r.max_new_tokens}) - 1 "
                     f"exceeds max_context={self.max_context}"
                 )
+            vocab = self.model.cfg.vocab_size
+            if np.any((np.asarray(r.prompt) < 0) | (np.asarray(r.prompt) >= vocab)):
+                raise ValueError(f"requests[{i}]: expected token ids in [0, {vocab}) in prompt")
         requests = [
             dataclasses.replace(r, prompt=np.asarray(r.prompt, np.int32).reshape(-1))
             for r in requests
@@ -285,38 +288,46 @@ class Engine:
         running: list[_Live] = []
         done: dict[int, _Live] = {}
         it = 0
-        while waiting or running:
-            if not running:
-                it = max(it, requests[waiting[0]].arrival)
-            now = self._clock()
-            for i in waiting:
-                if requests[i].arrival > it:
-                    break
-                arrived.setdefault(i, now)
-            admit = []
-            while (
-                waiting
-                and requests[waiting[0]].arrival <= it
-                and len(running) + len(admit) < self.max_batch
-            ):
-                admit.append(waiting.popleft())
-            if admit:
-                new = self._prefill([(i, requests[i], arrived[i]) for i in admit], waiting)
-                if not new and not running:
-                    raise RuntimeError(
-                        f"pool too small: {self.allocator.available_size()} free tokens cannot "
-                        f"hold request {admit[0]} even with nothing running; raise pool_size"
-                    )
-                running += new
-                if on_token:
-                    on_token(len(new))
-            running = self._retire(running, done)
-            if running:
-                self._decode(running)
-                if on_token:
-                    on_token(len(running))
+        try:
+            while waiting or running:
+                if not running:
+                    it = max(it, requests[waiting[0]].arrival)
+                now = self._clock()
+                for i in waiting:
+                    if requests[i].arrival > it:
+                        break
+                    arrived.setdefault(i, now)
+                admit = []
+                while (
+                    waiting
+                    and requests[waiting[0]].arrival <= it
+                    and len(running) + len(admit) < self.max_batch
+                ):
+                    admit.append(waiting.popleft())
+                if admit:
+                    new = self._prefill([(i, requests[i], arrived[i]) for i in admit], waiting)
+                    if not new and not running:
+                        raise RuntimeError(
+                            f"pool too small: {self.allocator.available_size()} free tokens cannot "
+                            f"hold request {admit[0]} even with nothing running; raise pool_size"
+                        )
+                    running += new
+                    if on_token:
+                        on_token(len(new))
                 running = self._retire(running, done)
-            it += 1
+                if running:
+                    self._decode(running)
+                    if on_token:
+                        on_token(len(running))
+                    running = self._retire(running, done)
+                it += 1
+        except BaseException:
+            # A request the pool cannot hold mid-decode (or an interrupt): give every running
+            # request's slots and row back, so the engine stays usable.
+            for live in running:
+                self.allocator.free(live.slots)
+                self.req_to_token.free(live.row)
+            raise
         if self.connector is not None:
             self.connector.flush()
         return [
@@ -385,29 +396,35 @@ class Engine:
         waiting.extendleft(reversed(deferred))
         if not lives:
             return []
-        extend = [len(lv.req.prompt) - lv.reused for lv in lives]
-        b, t = _batch_bucket(len(lives), self.max_batch), bucket(max(extend))
-        ctx = min(bucket(max(lv.budget for lv in lives)), self.max_context)
-        tokens = np.zeros((b, t), np.int32)
-        loc = np.full((b, t), -1, np.int32)
-        start, n_new, rows = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        for i, lv in enumerate(lives):
-            tokens[i, : extend[i]] = lv.req.prompt[lv.reused :]
-            loc[i, : extend[i]] = lv.slots[lv.reused : len(lv.req.prompt)]
-            start[i], n_new[i], rows[i] = lv.reused, extend[i], lv.row
-        logits, self.pool = self.steps(
-            self.params, self.pool, self.req_to_token.req_to_token, rows, tokens, start, n_new,
-            loc, ctx=ctx,
-        )  # fmt: skip
-        logits = np.asarray(logits)
-        now = self._clock()
-        for i, lv in enumerate(lives):
-            self._emit(lv, logits[i])
-            lv.ttft = now - lv.arrived_at
-        if self.connector is not None:
-            for lv in lives:
-                n = len(lv.req.prompt)
-                self.connector.store_async(self.pool, lv.req.prompt, lv.slots[:n])
+        try:
+            extend = [len(lv.req.prompt) - lv.reused for lv in lives]
+            b, t = _batch_bucket(len(lives), self.max_batch), bucket(max(extend))
+            ctx = min(bucket(max(lv.budget for lv in lives)), self.max_context)
+            tokens = np.zeros((b, t), np.int32)
+            loc = np.full((b, t), -1, np.int32)
+            start, n_new, rows = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+            for i, lv in enumerate(lives):
+                tokens[i, : extend[i]] = lv.req.prompt[lv.reused :]
+                loc[i, : extend[i]] = lv.slots[lv.reused : len(lv.req.prompt)]
+                start[i], n_new[i], rows[i] = lv.reused, extend[i], lv.row
+            logits, self.pool = self.steps(
+                self.params, self.pool, self.req_to_token.req_to_token, rows, tokens, start, n_new,
+                loc, ctx=ctx,
+            )  # fmt: skip
+            logits = np.asarray(logits)
+            now = self._clock()
+            for i, lv in enumerate(lives):
+                self._emit(lv, logits[i])
+                lv.ttft = now - lv.arrived_at
+            if self.connector is not None:
+                for lv in lives:
+                    n = len(lv.req.prompt)
+                    self.connector.store_async(self.pool, lv.req.prompt, lv.slots[:n])
+        except BaseException:
+            for lv in lives:  # not running yet: nobody else would give their slots back
+                self.allocator.free(lv.slots)
+                self.req_to_token.free(lv.row)
+            raise
         self.stats["prefill_seconds"] += now - t0
         self.stats["prompt_tokens"] += sum(len(lv.req.prompt) for lv in lives)
         self.stats["reused_tokens"] += sum(lv.reused for lv in lives)
