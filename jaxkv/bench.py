@@ -470,6 +470,106 @@ def bench_async(quick: bool) -> dict:
     }
 
 
+# ---- serving: the reference decoder -----------------------------------------------------------
+
+
+def bench_serving(quick: bool) -> dict:
+    """The reference decoder of `jaxkv.models` (GQA, 4 layers, d_model 512, 2 KV heads of 64)
+    served from a bf16 `MHAPool` of 64K tokens (a serving pool holding many requests), page
+    size 16.
+
+    Decode: one request with 1K or 16K cached tokens. The jaxkv step (pool donated, writes in
+    place, context read through the request-to-token table) runs against the very same jitted
+    step with the pool not donated, where each `.at[].set` copies the whole buffer (the naive
+    functional cache), and against recomputing the whole sequence without a cache (16K only
+    in full runs: about a minute on 2 cores). Times are per layer (step / layers).
+
+    Time to first token: a 2,048-token prefix plus 64 new tokens, served by the `Engine`
+    without a store and with the prefix reused from a `HostStore` (stored by an earlier
+    request; each round's 64 tokens are new). Compilation is excluded.
+    """
+    from jaxkv import ReqToTokenPool
+    from jaxkv.models import Decoder, DecoderConfig, bucket
+
+    model = Decoder(DecoderConfig())
+    params = model.init_params()
+    layers, page, pool_tokens = model.cfg.n_layers, 16, 1 << 16
+    donated = jax.jit(model.step, donate_argnums=1, static_argnames="ctx")
+    naive = jax.jit(model.step, static_argnames="ctx")
+    recompute = jax.jit(model.reference_logits)
+    state = {"pool": model.create_pool(size=pool_tokens, page_size=page)}
+    decode = []
+    for cached in (1 << 10, 1 << 14):
+        ctx = bucket(cached + 1)
+        table = ReqToTokenPool(1, ctx).write(1, 0, np.arange(page, page + cached + 1))
+        args = (
+            table.req_to_token,
+            np.array([1], np.int32),
+            np.array([[1]], np.int32),
+            np.array([cached], np.int32),
+            np.array([1], np.int32),
+            np.array([[page + cached]], np.int32),
+        )
+        seq = jnp.asarray(np.random.default_rng(5).integers(0, 256, cached + 1), jnp.int32)
+
+        def jaxkv_step(args=args, ctx=ctx):
+            logits, state["pool"] = donated(params, state["pool"], *args, ctx=ctx)
+            _ready(logits)
+
+        def naive_step(args=args, ctx=ctx):
+            _ready(naive(params, state["pool"], *args, ctx=ctx))
+
+        cases = {"jaxkv": jaxkv_step, "naive functional cache": naive_step}
+        long = cached > 1 << 10
+        if not long:
+            cases["recompute without cache"] = lambda seq=seq: _ready(recompute(params, seq))
+        med = interleaved(cases, rounds=3 if quick else (5 if long else 20), budget_s=4.0)
+        if long and not quick:
+            # One call takes about a minute on 2 cores: compile it, then time a single run.
+            exe = recompute.lower(params, seq).compile()
+            t0 = time.perf_counter()
+            _ready(exe(params, seq))
+            med["recompute without cache"] = time.perf_counter() - t0
+        decode.append(
+            {
+                "cached_tokens": cached,
+                "pool_tokens": pool_tokens,
+                "context_bucket": ctx,
+                **{f"{k} per layer": v / layers for k, v in med.items()},
+            }
+        )
+    return {"decode": decode, "ttft": _bench_ttft(model, params, quick)}
+
+
+def _bench_ttft(model, params, quick: bool) -> dict:
+    from jaxkv.models import Engine, Request, bucket
+
+    rng = np.random.default_rng(6)
+    prefix = rng.integers(0, 256, 2048).astype(np.int32)
+    ctx = bucket(2048 + 64)
+    kw = dict(pool_size=2 * ctx, page_size=16, max_batch=1, max_context=ctx)
+    plain = Engine(model, params, **kw)
+    reuse = Engine(model, params, store=HostStore(1 << 30), **kw)
+    times: dict[str, list[float]] = {"no reuse": [], "reuse from HostStore": []}
+    loaded = 0
+    # Round 0: the reusing engine computes the whole prompt (compiling the full-prompt step
+    # both engines use) and offloads its blocks; later rounds' last 64 tokens are new.
+    for r in range(1 + (2 if quick else 5)):
+        prompt = np.concatenate([prefix, rng.integers(0, 256, 64).astype(np.int32)])
+        runs = [("no reuse", plain)] if r else []
+        for name, engine in runs + [("reuse from HostStore", reuse)]:
+            (res,) = engine.generate([Request(prompt, 1)])
+            if r:
+                times[name].append(res.ttft_s)
+                loaded = max(loaded, res.reused_tokens)
+    reuse.close()
+    return {
+        "prompt_tokens": 2048 + 64,
+        "reused_tokens": loaded,
+        **{name: float(np.median(ts)) for name, ts in times.items()},
+    }
+
+
 # ---- report ----------------------------------------------------------------------------------
 
 
@@ -678,6 +778,7 @@ def _report(res: dict) -> None:
             ("alloc_decode", "alloc_decode", ".0f"),
         ],
     )
+    _report_serving(res)
     a = res["async"]
     print(
         f"\nstore_async: returns in {a['store_async'] * 1e3:.2f} ms; snapshot alone "
@@ -688,6 +789,74 @@ def _report(res: dict) -> None:
         v = "-" if t["value"] is None else f"{t['value']:.2f}"
         bound = "at least" if t.get("at_least") else "limit"
         print(f"  [{'ok' if t['ok'] else 'MISS'}] {t['target']}: {v} ({bound} {t['limit']})")
+
+
+def _serving_targets(res: dict) -> list[dict]:
+    """The reference decoder's rows: with 1K cached tokens in a 64K-token pool the in-place
+    step must be at least 4x faster than the naive functional cache (which copies the pool
+    every step), and reusing a 2K-token prefix (97% of the prompt) must at least halve the
+    time to first token."""
+    serving = res.get("serving") or {}
+    decode = {r["cached_tokens"]: r for r in serving.get("decode", [])}
+    r = decode.get(1 << 10)
+    ttft = serving.get("ttft", {})
+    rows = [
+        (
+            "decode step, 1K cached tokens, 64K-token pool: jaxkv / naive functional cache",
+            r["jaxkv per layer"] / r["naive functional cache per layer"] if r else None,
+            0.25,
+        ),
+        (
+            "time to first token: reused 2K prefix (HostStore) / no reuse",
+            ttft["reuse from HostStore"] / ttft["no reuse"] if "no reuse" in ttft else None,
+            0.5,
+        ),
+    ]
+    return [
+        {
+            "target": name,
+            "value": value,
+            "limit": limit,
+            "at_least": False,
+            "ok": value is not None and value <= limit,
+        }
+        for name, value, limit in rows
+    ]
+
+
+def _report_serving(res: dict) -> None:
+    serving = res.get("serving")
+    if not serving:
+        return
+    rows = []
+    for r in serving["decode"]:
+        row = {"cached_tokens": r["cached_tokens"]}
+        for key in ("jaxkv", "naive functional cache", "recompute without cache"):
+            v = r.get(f"{key} per layer")
+            row[key] = None if v is None else v * 1e3
+        row["naive/jaxkv"] = row["naive functional cache"] / row["jaxkv"]
+        if row["recompute without cache"] is not None:
+            row["recompute/jaxkv"] = row["recompute without cache"] / row["jaxkv"]
+        rows.append(row)
+    _print_table(
+        "reference decoder, decode step (ms per layer; GQA 8/2 heads of 64, bf16 pool of 64K "
+        "tokens, batch 1; recompute at 16K in full runs only)",
+        rows,
+        [
+            ("cached_tokens", "cached tokens", "d"),
+            ("jaxkv", "jaxkv", ".3f"),
+            ("naive functional cache", "naive cache", ".3f"),
+            ("recompute without cache", "recompute", ".1f"),
+            ("naive/jaxkv", "naive/jaxkv", ".1f"),
+            ("recompute/jaxkv", "recompute/jaxkv", ".0f"),
+        ],
+    )
+    t = serving["ttft"]
+    print(
+        f"\nreference decoder, time to first token ({t['prompt_tokens']} prompt tokens): "
+        f"{t['no reuse'] * 1e3:.0f} ms without reuse, {t['reuse from HostStore'] * 1e3:.0f} ms "
+        f"with {t['reused_tokens']} prefix tokens loaded from a HostStore"
+    )
 
 
 def _plot(res: dict, path: str) -> None:
@@ -749,7 +918,8 @@ def run(quick: bool = False, json_path: str | None = None, plot_path: str | None
     res["hashing"] = bench_hashing(quick)
     res["allocators"] = bench_allocators(quick)
     res["async"] = bench_async(quick)
-    res["targets"] = _targets(res)
+    res["serving"] = bench_serving(quick)
+    res["targets"] = _targets(res) + _serving_targets(res)
     res["seconds"] = time.perf_counter() - start
     _report(res)
     print(f"\n{res['seconds']:.0f} s")

@@ -20,8 +20,31 @@ def _run(*args, timeout):
     )
 
 
-def test_demo_runs_and_verifies_every_pool():
-    proc = _run("demo", timeout=300)
+def test_demo_serves_with_every_option_and_verifies():
+    proc = _run(
+        "demo", "--attention", "mla", "--store", "disk", "--dtype", "fp8", "--requests", "2",
+        "--new-tokens", "3", timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "MLAPool, fp8 pool, page size 16, disk store" in proc.stdout
+    assert "verification: OK" in proc.stdout
+    hits = next(ln for ln in proc.stdout.splitlines() if ln.startswith("requests with a prefix"))
+    assert hits.split()[-2:] == ["0/2", "1/2"]
+    # Not a terminal: no progress bar on stderr.
+    assert "%" not in proc.stderr
+
+
+def test_demo_rejects_bad_counts():
+    proc = _run("demo", "--requests", "0", timeout=60)
+    assert proc.returncode == 2 and "--requests and --new-tokens must be at least 1" in proc.stderr
+
+
+def test_pool_walkthrough_example_verifies_every_pool():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "pool_walkthrough.py")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("MHA", "MLA", "K-only"):
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(name))
@@ -33,9 +56,8 @@ def test_bench_quick_writes_well_formed_json(tmp_path):
     proc = _run("bench", "--quick", "--json", str(out), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert {"machine", "updates", "connector", "hashing", "allocators", "async", "targets"} <= set(
-        res
-    )
+    sections = {"machine", "updates", "connector", "hashing", "allocators", "async", "serving"}
+    assert sections | {"targets"} <= set(res)
     # Each backend is measured against its own floors: host numpy and memcpy on CPU, a device
     # copy and the plain donated scatter on accelerators.
     cpu = res["machine"]["backend"] == "cpu"
@@ -47,8 +69,10 @@ def test_bench_quick_writes_well_formed_json(tmp_path):
     for row in res["connector"]:
         assert all(row[k] > 0 for k in ("export_GBps", "store_GBps", "load_GBps"))
     assert res["machine"]["backend"] and res["machine"]["device_kind"]
-    # Updates: 5 targets on CPU, 4 on accelerators; connector 2; hashing 2; async 1.
-    assert len(res["targets"]) == (10 if cpu else 9)
+    assert res["serving"]["ttft"]["reused_tokens"] == 2048
+    assert all(r["jaxkv per layer"] > 0 for r in res["serving"]["decode"])
+    # Updates: 5 targets on CPU, 4 on accelerators; connector 2; hashing 2; async 1; serving 2.
+    assert len(res["targets"]) == (12 if cpu else 11)
     for target in res["targets"]:
         assert isinstance(target["value"], float) and target["value"] > 0, target
         value, limit = target["value"], target["limit"]
