@@ -512,7 +512,19 @@ def test_export_keeps_no_reference_to_live_buffers():
     assert pool.k_buffer[0].unsafe_buffer_pointer() == ptr
     chex.assert_trees_all_equal(exported, snapshot)
     assert np.asarray(pool.get_key_buffer(0))[1, 0, 0] == 2
-    # Control: the check above can fail. A live export of the buffer itself forces a copy.
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="control of the CPU mechanism: np.from_dlpack views host memory only, so a live "
+    "numpy export of a pool buffer (which makes donation copy) exists on CPU alone",
+)
+def test_a_live_export_of_the_buffer_itself_makes_the_update_copy():
+    """Control for the test above: its pointer check can fail. A live numpy export of the pool
+    buffer itself turns the next donated update into a copy (a new pointer)."""
+    pool = _make_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
+    slots = np.arange(1, 17)
+    ones = jnp.ones((16, 2, 4), jnp.bfloat16)
     live = np.from_dlpack(pool.k_buffer[0])
     ptr = pool.k_buffer[0].unsafe_buffer_pointer()
     pool = pool.set_kv(0, slots, 3 * ones, jnp.full((16, 2, 3), 3, jnp.bfloat16))
