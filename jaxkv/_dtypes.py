@@ -2,7 +2,7 @@
 
 Pools keep 16- and 8-bit floats as raw unsigned bits: on XLA:CPU a scatter into a bf16 or fp8
 buffer rewrites the whole buffer even when donated, while the same scatter into the unsigned
-integer of the same width is O(tokens) (REFERENCE.md). Raw bits also export through DLPack,
+integer of the same width is O(tokens) (measured). Raw bits also export through DLPack,
 which rejects bf16 and fp8. Every cast lives here so the pools and the connector agree on it.
 """
 

@@ -1,6 +1,6 @@
 """Shared fixtures for the pool tests: small pools of every kind, every dtype, numpy references.
 
-The references are written from API.md, independently of jaxkv's code:
+The references are written from the documented behaviour, independently of jaxkv's code:
 
 * `encode_ref`: the bits a pool stores for a value. The value (divided by the scale, if any) is
   taken in float32, clipped to +-finfo.max for fp8, cast with ml_dtypes (round to nearest even)
@@ -60,6 +60,19 @@ SMALL = {
 # 128, so those pools take the smallest such rank (and keep a small rope).
 SMALL_PACKED_NSA = {"kv_lora_rank": 128}
 E4M3_MAX = np.float32(448.0)
+# The reference decoder of `jaxkv.models` at test size (both attention variants take it).
+SMALL_DECODER = dict(
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    mlp_dim=128,
+)
 INDEX_AMAX_FLOOR = np.float32(1e-4)
 LATENT_TILE = 128
 

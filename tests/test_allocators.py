@@ -1,4 +1,4 @@
-"""Allocator tests: API.md "Allocators" and REFERENCE.md "Allocator semantics".
+"""Allocator tests: the documented allocator API and SGLang's allocator semantics.
 
 The property test drives `PagedAllocator` / `TokenAllocator` against `_Model`, a plain-Python
 SGLang allocator (free list + release list, merged and sorted only when the free list runs

@@ -1,4 +1,4 @@
-"""Connector tests: API.md "Connector" (`KVConnector`, `export_blocks`, `lookup`/`store`/`load`).
+"""Connector tests: `KVConnector`, `export_blocks`, `lookup`/`store`/`load`.
 
 Every round trip is checked against a plain numpy model of the pool's buffers: rows are raw
 bits (so NaN payloads and fp8 codes must survive untouched), and NSA's indexer buffer is read

@@ -1,4 +1,4 @@
-"""Block keys: API.md "Connector", `block_hashes` (REFERENCE.md "Block hashing conventions").
+"""Block keys: `block_hashes`, chained as vLLM and SGLang chain theirs.
 
 Keys are chained over full blocks only, identical across processes, and rooted in the
 namespace, the pool's layout fingerprint and the tenant salt, so that no two of those ever

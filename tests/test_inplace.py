@@ -1,8 +1,8 @@
 """Structural performance checks: updates are in place and compile once per shape.
 
-API.md: an update costs O(T), not O(pool). We check the structure that makes that true rather
-than timing anything: a donated update writes into the very buffer it was given (same device
-pointer), and a second call with a pool of equal shapes reuses the compiled code.
+The documented cost: an update costs O(T), not O(pool). We check the structure that makes that
+true rather than timing anything: a donated update writes into the very buffer it was given
+(same device pointer), and a second call with a pool of equal shapes reuses the compiled code.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL_DECODER as SMALL
 
 from jaxkv.models import (
     LOGIT_BOUNDS,
@@ -23,18 +24,6 @@ from jaxkv.models import (
     bucket,
 )
 
-SMALL = dict(
-    d_model=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    mlp_dim=128,
-)
 DTYPES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 
 

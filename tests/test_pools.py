@@ -1,4 +1,4 @@
-"""API.md "Package" and "Pools": one test per documented behaviour."""
+"""The package and its pools: one test per documented behaviour."""
 
 from __future__ import annotations
 

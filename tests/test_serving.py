@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import SMALL_DECODER as SMALL
 
 from jaxkv import demo
 from jaxkv.connector import DiskStore, HostStore
@@ -17,18 +18,6 @@ from jaxkv.models import LOGIT_BOUNDS, Decoder, DecoderConfig, Engine, Request
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.dtype(jnp.bfloat16)
-SMALL = dict(
-    d_model=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    mlp_dim=128,
-)
 ENGINE = dict(pool_size=1024, page_size=16, max_batch=4, max_context=128)
 
 
