@@ -51,6 +51,11 @@ class LocalRedis:
         self._dir = tempfile.TemporaryDirectory(prefix="jaxkv-redis-")
         self._proc: subprocess.Popen | None = None
 
+    @staticmethod
+    def available() -> bool:
+        """Whether `redis-server` is on the PATH."""
+        return shutil.which("redis-server") is not None
+
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         """Starts the server and waits until it answers `PING`."""
         self._proc = subprocess.Popen(
