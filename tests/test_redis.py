@@ -320,17 +320,19 @@ def test_without_redis_py_jaxkv_imports_and_the_store_names_the_extra(monkeypatc
 
 
 @pytest.mark.parametrize(
-    "kwargs,name",
+    "url,kwargs,error,name",
     [
-        ({"timeout_s": 0}, "timeout_s"),
-        ({"retry_after_s": -1}, "retry_after_s"),
-        ({"key_prefix": 3}, "key_prefix"),
+        ("redis://127.0.0.1:1/0", {"timeout_s": 0}, ValueError, "timeout_s"),
+        ("redis://127.0.0.1:1/0", {"retry_after_s": -1}, ValueError, "retry_after_s"),
+        ("redis://127.0.0.1:1/0", {"key_prefix": 3}, TypeError, "key_prefix"),
+        ("http://127.0.0.1:1/0", {}, ValueError, "url"),
+        (None, {}, TypeError, "url"),
     ],
 )
-def test_bad_arguments_name_themselves(kwargs, name):
+def test_bad_arguments_name_themselves(url, kwargs, error, name):
     pytest.importorskip("redis")
-    with pytest.raises(ValueError, match=name):
-        RedisStore("redis://127.0.0.1:1/0", **kwargs)
+    with pytest.raises(error, match=f"^{name}: expected"):
+        RedisStore(url, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------

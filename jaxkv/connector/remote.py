@@ -57,7 +57,8 @@ class RedisStore(BlockStore):
 
     Raises:
         ImportError: redis-py is not installed (extra `redis`).
-        ValueError: a bad `url`, timeout or prefix.
+        TypeError: a `url` or `key_prefix` that is not a string.
+        ValueError: a malformed `url` or a non-positive time.
 
     `stats()` adds to the common counters: `round_trips` (to the server, for blocks),
     `dropped` (blocks not stored because the server failed or the breaker was open),
@@ -86,9 +87,9 @@ class RedisStore(BlockStore):
         except ImportError as err:
             raise ImportError(_INSTALL) from err
         if not isinstance(url, str):
-            raise ValueError(f"url: expected a redis:// URL string, got {url!r}")
+            raise TypeError(f"url: expected a redis:// URL string, got {type(url).__name__}")
         if not isinstance(key_prefix, str):
-            raise ValueError(f"key_prefix: expected a str, got {key_prefix!r}")
+            raise TypeError(f"key_prefix: expected a str, got {type(key_prefix).__name__}")
         self.timeout_s = _positive("timeout_s", timeout_s)
         self.retry_after_s = _positive("retry_after_s", retry_after_s)
         self.max_retry_after_s = _positive("max_retry_after_s", max_retry_after_s)
@@ -97,12 +98,17 @@ class RedisStore(BlockStore):
         self._counters.update(dict.fromkeys(_REMOTE_COUNTERS, 0))
         # No retries inside redis-py: a retry would double the time a dead server costs the
         # caller; the breaker decides when to try again.
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+        try:
+            self._client = redis.Redis.from_url(
+                url,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+        except ValueError as err:  # redis-py's message does not say which argument
+            raise ValueError(
+                f"url: expected a redis://, rediss:// or unix:// URL, got {url!r} ({err})"
+            ) from err
         self._errors = (redis.RedisError, OSError)
         self._connection_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         # Circuit breaker: closed while `_open_until` is 0; open (every call answered locally)
@@ -153,6 +159,10 @@ class RedisStore(BlockStore):
             # A command error (not the connection's) means the server is there: no trip.
             self._settle(not isinstance(err, self._connection_errors))
             return None
+        except BaseException:
+            with self._breaker:  # not the server's doing: let the next call probe
+                self._probing = False
+            raise
         self._settle(True)
         return result
 
