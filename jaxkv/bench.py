@@ -363,6 +363,81 @@ def _connector_row(pool, slots, layers, block, store_kind, quick, accel):
     return row
 
 
+# ---- remote tier -----------------------------------------------------------------------------
+
+
+def bench_remote(quick: bool) -> dict:
+    """Host, disk and Redis stores side by side: store and load of 1 to 64 blocks of 16 tokens
+    (MHA 8x128 bf16, 8 layers: 512 KiB per block), Redis on a loopback `redis-server` started
+    here, and Redis round trips per `store` and `load` call. Skipped (with the reason) without
+    `redis-server` or redis-py."""
+    from jaxkv.connector import RedisStore
+    from jaxkv.connector._redis_server import MISSING, LocalRedis
+
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return {"skipped": "redis-py is not installed (pip install 'jaxkv[redis]')", "rows": []}
+    if not LocalRedis.available():
+        return {"skipped": MISSING, "rows": []}
+    layers, block = 8, 16
+    counts = (1, 64) if quick else (1, 16, 64)
+    pool = MHAPool.create(
+        size=4 * block * max(counts),
+        page_size=16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=layers,
+    )
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((pool.size, HEADS, HEAD_DIM)), jnp.bfloat16)
+    for layer in range(layers):
+        pool = pool.set_kv(layer, np.arange(pool.size), x, x)
+    rows = []
+    tmp = tempfile.mkdtemp(prefix="jaxkv-bench-")
+    with LocalRedis("--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru") as server:
+        stores = {
+            "host": lambda: HostStore(1 << 30),
+            "disk": lambda: DiskStore(tempfile.mkdtemp(dir=tmp)),
+            "redis": lambda: RedisStore(server.url),
+        }
+        for n in counts:
+            for tier, make in stores.items():
+                row, pool = _remote_row(pool, make(), tier, n, block, quick)
+                rows.append({"layers": layers, **row})
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"skipped": None, "rows": rows}
+
+
+def _remote_row(pool, store, tier: str, blocks: int, block: int, quick: bool):
+    conn = KVConnector(pool, store, block_size=block)
+    tokens = blocks * block
+    slots, far = np.arange(tokens), np.arange(tokens, 2 * tokens)
+    state = {"pool": pool, "round": 0}
+
+    def store_fn():
+        state["round"] += 1  # a new prompt each round: every block is written
+        assert conn.store(state["pool"], np.arange(tokens) + (state["round"] << 20), slots)
+
+    def load():
+        prompt = np.arange(tokens) + (state["round"] << 20)
+        state["pool"], n = conn.load(state["pool"], prompt, far)
+        assert n == tokens
+
+    trips = {}
+    if tier == "redis":
+        for name, fn in (("store", store_fn), ("load", load)):
+            before = store.stats()["round_trips"]
+            fn()
+            trips[f"{name}_round_trips"] = store.stats()["round_trips"] - before
+    med = interleaved({"store": store_fn, "load": load}, rounds=5 if quick else 15, budget_s=3.0)
+    nbytes = conn.stats()["bytes_stored"] // conn.stats()["blocks_stored"] * blocks
+    row = {"tier": tier, "blocks": blocks, "bytes": nbytes, **med, **trips}
+    row.update({f"{k}_GBps": nbytes / v / 1e9 for k, v in med.items()})
+    conn.close()
+    return row, state["pool"]
+
+
 # ---- hashing, allocators, async --------------------------------------------------------------
 
 
@@ -664,6 +739,24 @@ def _print_table(title: str, rows: list[dict], cols: list[tuple[str, str, str]])
         print("  ".join(cells))
 
 
+def _report_remote(remote: dict) -> None:
+    if remote["skipped"]:
+        print(f"\nremote tier: skipped ({remote['skipped']})")
+        return
+    _print_table(
+        "remote tier (GB/s; 512 KiB blocks; Redis on loopback; round trips per call)",
+        remote["rows"],
+        [
+            ("tier", "tier", "s"),
+            ("blocks", "blocks", "d"),
+            ("store_GBps", "store", ".3f"),
+            ("load_GBps", "load", ".3f"),
+            ("store_round_trips", "store trips", "d"),
+            ("load_round_trips", "load trips", "d"),
+        ],
+    )
+
+
 def _report(res: dict) -> None:
     us = lambda k, lab: (k, lab, ".0f")  # noqa: E731
     upd = [
@@ -755,6 +848,7 @@ def _report(res: dict) -> None:
         res["connector"],
         cols,
     )
+    _report_remote(res["remote"])
     _print_table(
         "hashing (64K tokens)",
         res["hashing"],
@@ -915,6 +1009,7 @@ def run(quick: bool = False, json_path: str | None = None, plot_path: str | None
     res: dict = {"machine": info, "quick": quick}
     res["updates"] = bench_updates(quick)
     res["connector"] = bench_connector(quick)
+    res["remote"] = bench_remote(quick)
     res["hashing"] = bench_hashing(quick)
     res["allocators"] = bench_allocators(quick)
     res["async"] = bench_async(quick)

@@ -68,6 +68,10 @@ def test_bench_quick_writes_well_formed_json(tmp_path):
     assert any(floors | {"naive JAX"} <= set(r) for r in res["updates"])
     for row in res["connector"]:
         assert all(row[k] > 0 for k in ("export_GBps", "store_GBps", "load_GBps"))
+    remote = res["remote"]  # Redis rows, or the reason they were skipped
+    assert remote["skipped"] or {
+        r["store_round_trips"] for r in remote["rows"] if r["tier"] == "redis"
+    } == {2}
     assert res["machine"]["backend"] and res["machine"]["device_kind"]
     assert res["serving"]["ttft"]["reused_tokens"] == 2048
     assert all(r["jaxkv per layer"] > 0 for r in res["serving"]["decode"])

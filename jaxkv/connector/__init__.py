@@ -1,4 +1,4 @@
-"""Block connector: move KV blocks between pools and host, disk (and later remote) stores.
+"""Block connector: move KV blocks between pools and host, disk, remote (Redis) and tiered stores.
 
 Blocks are keyed by chained SHA-256 hashes of their token ids, namespaced by model, layout and
 an optional tenant salt, and reloaded bit-exact; a record that fails verification is never
@@ -8,13 +8,17 @@ loaded.
 from jaxkv.connector._connector import KVConnector, min_block_count
 from jaxkv.connector._records import BlockRecord, CorruptRecordError
 from jaxkv.connector.disk import DiskStore
+from jaxkv.connector.remote import RedisStore
 from jaxkv.connector.stores import BlockStore, HostStore
+from jaxkv.connector.tiered import TieredStore
 from jaxkv.errors import UnsupportedKVCacheError
 
 __all__ = [
     "KVConnector",
     "HostStore",
     "DiskStore",
+    "RedisStore",
+    "TieredStore",
     "BlockStore",
     "BlockRecord",
     "CorruptRecordError",

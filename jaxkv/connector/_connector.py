@@ -132,24 +132,31 @@ class KVConnector:
 
     def lookup(self, token_ids, *, salt: str | bytes | None = None) -> int:
         """Leading tokens (a multiple of `block_size`) whose blocks are all stored."""
-        held = self._held()
         digests = self._digests(token_ids, salt)[0]
-        n = 0
-        for digest in digests:
-            if not held(digest.hex()):
-                break
-            n += 1
+        held = self._held([d.hex() for d in digests], stop_at_miss=True)
+        n = held.index(False) if False in held else len(held)
         self._count("lookups")
         self._count("hit_blocks", n)
         self._count("hits", n)
         self._count("misses", len(digests) - n)
         return n * self.block_size
 
-    def _held(self):
-        """A test for "stored, or being written by `store_async`" (pending keys as of now)."""
+    def _held(self, keys: list[str], *, stop_at_miss: bool = False) -> list[bool]:
+        """Per key, "stored, or being written by `store_async`" (pending keys as of now); the
+        store is asked about the other keys in one batch (`stop_at_miss`: see `BlockStore`)."""
         with self._lock:
             pending = set(self._pending)
-        return lambda key: key in pending or self.backend.contains(key)
+        asked = iter(
+            self.backend.contains_many(
+                [k for k in keys if k not in pending], stop_at_miss=stop_at_miss
+            )
+        )
+        held = []
+        for key in keys:
+            held.append(key in pending or next(asked))
+            if stop_at_miss and not held[-1]:
+                return held + [False] * (len(keys) - len(held))
+        return held
 
     # ---- transfers ----------------------------------------------------------------------
 
@@ -195,8 +202,8 @@ class KVConnector:
         view = self._view(pool)
         digests, data = self._digests(token_ids, salt)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
-        held = self._held()
-        missing = [i for i, d in enumerate(digests) if not held(d.hex())]
+        held = self._held([d.hex() for d in digests])
+        missing = [i for i, h in enumerate(held) if not h]
         if not missing:
             return [], []
         bs = self.block_size
@@ -223,8 +230,8 @@ class KVConnector:
 
     def _write(self, records: list[BlockRecord]) -> int:
         written = 0
-        for record in records:
-            if self.backend.put(record):
+        for record, new in zip(records, self.backend.put_many(records)):
+            if new:
                 written += 1
                 self._count("bytes_stored", record.nbytes)
         self._count("blocks_stored", written)
@@ -310,10 +317,10 @@ class KVConnector:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _wait_pending(self, key: str) -> None:
+    def _wait_pending(self, keys: list[str]) -> None:
         with self._lock:
-            future = self._pending.get(key)
-        if future is not None:
+            futures = {id(f): f for f in map(self._pending.get, keys) if f is not None}
+        for future in futures.values():
             future.result()
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -334,10 +341,10 @@ class KVConnector:
         digests, data = self._digests(token_ids, salt)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
         bs = self.block_size
+        keys = [d.hex() for d in digests]
+        self._wait_pending(keys)
         records: list[BlockRecord] = []
-        for i, digest in enumerate(digests):
-            self._wait_pending(digest.hex())
-            record = self.backend.get(digest.hex())
+        for i, record in enumerate(self.backend.get_many(keys, stop_at_miss=True)):
             if record is None:
                 break
             if not self._valid(record, data[4 * i * bs : 4 * (i + 1) * bs]):

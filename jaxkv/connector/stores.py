@@ -1,8 +1,9 @@
 """The store interface and the in-memory `HostStore`.
 
 A store maps block keys to `BlockRecord`s. It is deliberately small (`contains`, `get`, `put`,
-`stats`) so that a disk, remote or tiered store is a few methods, and every store verifies what
-it serves: a record that fails a check is a miss, never data.
+`stats`, plus batch forms that default to them) so that a disk, remote or tiered store is a few
+methods, and every store verifies what it serves: a record that fails a check is a miss, never
+data.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import mmap
 import sys
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -72,6 +74,37 @@ class BlockStore(abc.ABC):
 
     @abc.abstractmethod
     def __len__(self) -> int: ...
+
+    # ---- batches ---------------------------------------------------------------------------
+    # The connector asks for all the blocks of a call at once, so that a remote store answers
+    # in one round trip. These defaults ask key by key; a store with cheaper batches
+    # overrides them and keeps their results.
+
+    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+        """Per key, whether it is held. With `stop_at_miss`, only the leading run of held keys
+        is asked for: every entry from the first miss on is `False`."""
+        held = []
+        for key in keys:
+            held.append(self.contains(key))
+            if stop_at_miss and not held[-1]:
+                return held + [False] * (len(keys) - len(held))
+        return held
+
+    def get_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False
+    ) -> list[BlockRecord | None]:
+        """Per key, its verified record or `None`. With `stop_at_miss`, only the leading run of
+        held keys is read: every entry from the first miss on is `None`."""
+        records: list[BlockRecord | None] = []
+        for key in keys:
+            records.append(self.get(key))
+            if stop_at_miss and records[-1] is None:
+                return records + [None] * (len(keys) - len(records))
+        return records
+
+    def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
+        """`put` of each record, in order (the same rules on the records' memory)."""
+        return [self.put(record) for record in records]
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,153 @@
+"""`TieredStore`: stores stacked fastest first, read in order and written through.
+
+A read asks the tiers in order for the keys still missing, and copies what a slower tier
+answered into every faster one (promotion), so the next read of those blocks stops earlier.
+A write goes to every tier. Each tier keeps its own capacity, eviction and verification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from jaxkv.connector._records import BlockRecord
+from jaxkv.connector.stores import BlockStore
+
+# Counters summed from the tiers: failures of any tier are failures of the stack.
+_FROM_TIERS = ("verification_failures", "evictions", "io_errors", "rejected")
+
+
+class TieredStore(BlockStore):
+    """Several stores as one, fastest first: reads try tiers in order and promote hits into
+    the faster tiers; writes go to every tier (write-through).
+
+    A `put` is `True` when any tier newly stored the record. `stats()` has the stack's own
+    counters (hits and misses of the stack as a whole, `promotions`: records copied into
+    faster tiers), the failures of all tiers summed, and under `"tiers"` each tier's `stats()`,
+    in order. `blocks` is the most any tier holds, `bytes` the sum over tiers.
+
+    Args:
+        *stores: the tiers, fastest first (e.g. host memory, local disk, Redis).
+
+    Raises:
+        TypeError: no store, or one that is not a `BlockStore`.
+
+    Example:
+        >>> store = TieredStore(HostStore(1 << 26), DiskStore("/tmp/jaxkv-cache"))
+    """
+
+    def __init__(self, *stores: BlockStore):
+        super().__init__()
+        if not stores:
+            raise TypeError("stores: expected at least one BlockStore, got none")
+        for i, store in enumerate(stores):
+            if not isinstance(store, BlockStore):
+                raise TypeError(f"stores[{i}]: expected a BlockStore, got {type(store).__name__}")
+        self.tiers = tuple(stores)
+        self._counters["promotions"] = 0
+
+    def __len__(self) -> int:
+        return max(len(tier) for tier in self.tiers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tier.nbytes for tier in self.tiers)
+
+    def stats(self) -> dict:
+        tiers = [tier.stats() for tier in self.tiers]
+        with self._lock:
+            counters = dict(self._counters)
+        for name in _FROM_TIERS:
+            counters[name] = sum(t.get(name, 0) for t in tiers)
+        blocks = max(t.get("blocks", 0) for t in tiers)
+        return {
+            **counters,
+            "blocks": blocks,
+            "bytes": sum(t.get("bytes", 0) for t in tiers),
+            "tiers": tiers,
+        }
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def _find(self, keys: Sequence[str], ask: Callable, stop_at_miss: bool) -> list:
+        """Per key, `(tier index, answer)` from the first tier that has it, or `None`.
+
+        `ask(tier, keys, stop_at_miss)` is the tier's batch call. Without `stop_at_miss`, each
+        tier is asked once, for the keys the faster tiers lacked. With it, the leading run is
+        followed from tier to tier: the fastest tier holding the next key answers the run it
+        holds from there; a tier is not asked again at the key it has just missed.
+        """
+        found: list = [None] * len(keys)
+        if not stop_at_miss:
+            left = list(range(len(keys)))
+            for t, tier in enumerate(self.tiers):
+                if not left:
+                    break
+                answers = ask(tier, [keys[i] for i in left], False)
+                for i, answer in zip(left, answers):
+                    if answer:
+                        found[i] = (t, answer)
+                left = [i for i in left if found[i] is None]
+            return found
+        pos, missed_at = 0, [-1] * len(self.tiers)
+        while pos < len(keys):
+            for t, tier in enumerate(self.tiers):
+                if missed_at[t] == pos:
+                    continue
+                answers = ask(tier, keys[pos:], True)
+                run = next((j for j, a in enumerate(answers) if not a), len(answers))
+                missed_at[t] = pos + run
+                if run:
+                    found[pos : pos + run] = [(t, a) for a in answers[:run]]
+                    pos += run
+                    break
+            else:
+                break
+        return found
+
+    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+        found = self._find(
+            keys, lambda tier, ks, stop: tier.contains_many(ks, stop_at_miss=stop), stop_at_miss
+        )
+        return [f is not None for f in found]
+
+    def get_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False
+    ) -> list[BlockRecord | None]:
+        found = self._find(
+            keys, lambda tier, ks, stop: tier.get_many(ks, stop_at_miss=stop), stop_at_miss
+        )
+        # Promotion: what tier t answered goes into tiers 0..t-1, one batch per tier.
+        for t in range(len(self.tiers) - 1):
+            slower = [f[1] for f in found if f is not None and f[0] > t]
+            if slower:
+                self.tiers[t].put_many(slower)
+        records = [None if f is None else f[1] for f in found]
+        hits = [r for r in records if r is not None]
+        with self._lock:
+            c = self._counters
+            c["promotions"] += sum(1 for f in found if f is not None and f[0] > 0)
+            c["hits"] += len(hits)
+            c["blocks_loaded"] += len(hits)
+            c["bytes_loaded"] += sum(r.nbytes for r in hits)
+            c["misses"] += (1 if None in records else 0) if stop_at_miss else len(keys) - len(hits)
+        return records
+
+    def contains(self, key: str) -> bool:
+        return self.contains_many([key])[0]
+
+    def get(self, key: str) -> BlockRecord | None:
+        return self.get_many([key])[0]
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
+        stored = [False] * len(records)
+        for tier in self.tiers:
+            stored = [a or b for a, b in zip(stored, tier.put_many(records))]
+        with self._lock:
+            self._counters["blocks_stored"] += sum(stored)
+            self._counters["bytes_stored"] += sum(r.nbytes for r, s in zip(records, stored) if s)
+        return stored
+
+    def put(self, record: BlockRecord) -> bool:
+        return self.put_many([record])[0]
