@@ -3,7 +3,8 @@
 Every comparison runs its contenders alternately (one call of each per round) and reports
 medians, so a slow moment of the machine hits all of them alike. Sections: pool updates,
 connector transfers, block hashing, allocators and `store_async`. `--json` writes every figure
-and the targets from the performance issue; `--plot` draws update time against pool size.
+and each performance target with whether it held; `--plot` draws update time against pool
+size.
 """
 
 from __future__ import annotations

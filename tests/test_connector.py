@@ -378,7 +378,7 @@ def test_jaxkv_and_disk_roundtrip_nsa_index_bytes_with_scales(tmp_path):
 
 @pytest.mark.parametrize("backend", ("numpy", "jax"))
 def test_k_only_pools_export_and_reload(backend):
-    """The seed's FlexKV connector crashed on `k_buffer` without `v_buffer`."""
+    """K-only pools have `k_buffer` and no `v_buffer`; a connector assuming both would crash."""
     rng = np.random.default_rng(5)
     pool = _fill(_make_pool("k_only", size=32, page_size=1), rng)
     assert not hasattr(pool, "v_buffer")

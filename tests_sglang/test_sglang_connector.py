@@ -90,7 +90,7 @@ def test_sglang_pool_roundtrip_in_place(kind, dtype, page_size, size, store, tmp
     )
 
 
-def test_the_brief_k_only_example_constructs():
+def test_bf16_k_only_pool_constructs():
     """A bf16 K-only pool, page size 1, one layer: once a TypeError on torch.bfloat16."""
     pool = sglang_pool("k_only", "bfloat16", size=32, page_size=1, layer_num=1)
     conn = KVConnector(pool, HostStore(1 << 20))

@@ -1,10 +1,17 @@
 """`KVConnector`: store and reload KV blocks of a prefix, keyed by chained token hashes.
 
 Example:
+    >>> import numpy as np
+    >>> from jaxkv import MHAPool
+    >>> from jaxkv.connector import HostStore, KVConnector
     >>> pool = MHAPool.create(size=256, head_num=2, head_dim=8, layer_num=2)
-    >>> conn = KVConnector(pool, HostStore(1 << 26))
-    >>> conn.store(pool, tokens, slots)            # blocks of 16 tokens, returns blocks written
-    >>> pool, n = conn.load(pool, tokens, new_slots)   # n tokens copied back, bit-exact
+    >>> conn = KVConnector(pool, HostStore(1 << 20))
+    >>> tokens, slots = np.arange(40), np.arange(1, 41)
+    >>> conn.store(pool, tokens, slots)      # the full blocks (16 tokens each): blocks written
+    2
+    >>> pool, n = conn.load(pool, tokens, np.arange(101, 141))   # tokens copied back, bit-exact
+    >>> n
+    32
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ class DiskStore(BlockStore):
     it becomes visible.
 
     Example:
-        >>> store = DiskStore("/tmp/jaxkv-cache", capacity_bytes=8 << 30)
+        >>> import tempfile
+        >>> store = DiskStore(tempfile.mkdtemp(), capacity_bytes=8 << 30)
+        >>> len(store), store.nbytes
+        (0, 0)
     """
 
     def __init__(

@@ -228,7 +228,9 @@ class HostStore(BlockStore):
         ValueError: a non-positive `capacity_bytes` or an out-of-range `preallocate_bytes`.
 
     Example:
-        >>> store = HostStore(capacity_bytes=1 << 30)
+        >>> store = HostStore(capacity_bytes=1 << 30, preallocate_bytes=16 << 20)
+        >>> store.memory_bytes, store.nbytes, len(store)
+        (16777216, 0, 0)
     """
 
     def __init__(self, capacity_bytes: int, *, preallocate_bytes: int | None = None):

@@ -4,12 +4,13 @@ Random weights from a fixed seed: it exists to show a real consumer of the pools
 writes and reads the cache the way a serving stack does), not to produce useful text.
 
 Example:
-    >>> model = Decoder(DecoderConfig(attention="mla", d_model=64, n_layers=2, n_heads=4,
-    ...                               kv_lora_rank=32, qk_nope_head_dim=16,
-    ...                               qk_rope_head_dim=8, v_head_dim=16, mlp_dim=128))
+    >>> model = Decoder(DecoderConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+    ...                               head_dim=8, mlp_dim=32))
     >>> params = model.init_params()
-    >>> model.reference_logits(params, jnp.arange(5)).shape
-    (5, 258)
+    >>> params["embed"].shape
+    (258, 32)
+    >>> model.create_pool(size=64, page_size=16).k_buffer[0].shape
+    (80, 1, 8)
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ cache:
   into fresh slots and prefills only the rest.
 
 Example:
-    >>> model = Decoder(DecoderConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-    ...                               head_dim=16, mlp_dim=128))
-    >>> engine = Engine(model, model.init_params(), pool_size=1024, max_context=256)
-    >>> [r.tokens.shape for r in engine.generate([Request(np.arange(20), 4)])]
+    >>> from jaxkv.models import Decoder, DecoderConfig
+    >>> model = Decoder(DecoderConfig(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+    ...                               head_dim=8, mlp_dim=32))
+    >>> engine = Engine(model, model.init_params(), pool_size=256, max_batch=2, max_context=128)
+    >>> [r.tokens.shape for r in engine.generate([Request(np.arange(40), 4)])]
     [(4,)]
 """
 
