@@ -9,6 +9,7 @@ their rules; they never re-implement validation, slot handling or the scatter.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -67,12 +68,76 @@ class BufferSpec(NamedTuple):
 
 
 def pool_pytree(cls):
-    """Registers a pool dataclass: `BUFFERS` fields are data, all other fields are static."""
+    """Declares a pool kind: a frozen dataclass registered as a pytree (`BUFFERS` fields are
+    data, all other fields static) with its `create` classmethod.
+
+    `create` takes, keyword-only, the arguments every kind takes plus the kind's own sizes
+    (its static fields beyond the common ones): required ones before `layer_num`, those with a
+    `CREATE_DEFAULTS` entry after it. Its signature is built from those fields, so the sizes a
+    kind stores and the arguments it takes are declared once.
+    """
     cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     data = [n for n in names if n in cls.BUFFERS]
     meta = [n for n in names if n not in cls.BUFFERS]
+    cls.create = classmethod(_create_method(cls, [n for n in meta if n not in _COMMON_ARGS]))
     return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def _create_method(cls, sizes: list[str]):
+    defaults = {**_COMMON_DEFAULTS, **cls.CREATE_DEFAULTS}
+    order = [
+        "size",
+        "page_size",
+        "dtype",
+        *(n for n in sizes if n not in defaults),
+        "layer_num",
+        *(n for n in sizes if n in defaults),
+        "start_layer",
+        "sharding",
+    ]
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)]
+    params += [
+        inspect.Parameter(n, kw, default=defaults.get(n, inspect.Parameter.empty)) for n in order
+    ]
+    signature = inspect.Signature(params, return_annotation=cls.__name__)
+
+    def create(kind, /, *args, **kwargs):
+        try:
+            bound = signature.bind(kind, *args, **kwargs)
+        except TypeError as err:  # what Python says of a plain function, with its name
+            raise TypeError(f"{kind.__name__}.create(): {err}") from None
+        bound.apply_defaults()
+        return kind._create(bound.arguments)
+
+    create.__signature__ = signature
+    create.__qualname__ = f"{cls.__name__}.create"
+    create.__module__ = cls.__module__
+    create.__doc__ = _CREATE_DOC.format(kind=cls.__name__)
+    return create
+
+
+_COMMON_DEFAULTS = {"page_size": 1, "dtype": jnp.bfloat16, "start_layer": 0, "sharding": None}
+
+_CREATE_DOC = """Allocates a zeroed `{kind}`; every argument is keyword-only.
+
+    Args:
+        size: token slots, a positive multiple of `page_size`; each layer buffer has
+            `size + page_size` rows (page 0 is the padding sink).
+        page_size: tokens per page.
+        dtype: logical dtype (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2).
+        layer_num: layers held; `start_layer` is the first one's global id.
+        sharding: placement of every buffer (`None`: the default device). Token rows are
+            never split; MHA and K-only pools may split heads over a mesh axis (`head_num`
+            divisible by its size), MLA and NSA buffers are replicated.
+        The kind's own sizes (head or latent sizes) are positive ints.
+
+    Raises:
+        ValueError: a bad size, dtype or sharding, naming the argument (NSA with an fp8
+            dtype also needs `kv_lora_rank` a multiple of 128).
+        TypeError: a positional, unknown or missing argument.
+    """
 
 
 # The `create` arguments every pool kind takes; the others are the kind's own sizes.
@@ -94,6 +159,8 @@ class PoolBase:
     """
 
     BUFFERS: ClassVar[tuple[str, ...]] = ()
+    # `create` defaults of this kind's own arguments (the common ones default as documented).
+    CREATE_DEFAULTS: ClassVar[Mapping[str, Any]] = {}
     # The layout kind the connector keys blocks by; subclasses of a kind inherit it.
     KIND: ClassVar[str] = ""
 
@@ -167,13 +234,14 @@ class PoolBase:
 
     @classmethod
     def _create(cls, args: Mapping[str, Any]):
-        """What every kind's `create` does with its keyword arguments `args` (its locals):
+        """What every kind's `create` does with its keyword arguments `args`:
         validates them, then allocates zeroed buffers as `buffer_specs` declares them.
 
         The kind's own sizes (every argument not common to all kinds) are positive ints.
         Every check, sharding included, runs before anything is allocated.
         """
-        sizes = {k: int_arg(k, v) for k, v in args.items() if k not in (*_COMMON_ARGS, "cls")}
+        args = cls.complete_args({k: v for k, v in args.items() if k != "cls"})
+        sizes = {k: int_arg(k, v) for k, v in args.items() if k not in _COMMON_ARGS}
         common = cls.common_fields(**{k: args[k] for k in _COMMON_ARGS})
         pool = cls(**common, **sizes, **dict.fromkeys(cls.BUFFERS, ()))
         pool.check_sizes()
@@ -189,6 +257,11 @@ class PoolBase:
                 for s, shape, w in zip(specs, shapes, where)
             }
         )
+
+    @staticmethod
+    def complete_args(args: dict) -> dict:
+        """`create`'s arguments with defaults that depend on others filled in; none here."""
+        return args
 
     def check_sizes(self) -> None:
         """Rules between a kind's sizes beyond positivity (`ValueError`); none by default."""

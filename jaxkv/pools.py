@@ -84,29 +84,16 @@ class MHAPool(_HeadPool):
 
     KIND = "mha"
     BUFFERS = ("k_buffer", "v_buffer")
+    CREATE_DEFAULTS = {"v_head_dim": None}  # None: head_dim
     v_head_dim: int
     k_buffer: tuple[jax.Array, ...]
     v_buffer: tuple[jax.Array, ...]
 
-    @classmethod
-    def create(
-        cls,
-        *,
-        size,
-        page_size=1,
-        dtype=jnp.bfloat16,
-        head_num,
-        head_dim,
-        layer_num,
-        v_head_dim=None,
-        start_layer=0,
-        sharding=None,
-    ) -> MHAPool:
-        """Allocates a zeroed pool; `sharding` may split the heads axis (`head_num` divisible
-        by the mesh axis' size). Raises `ValueError` on non-positive sizes, a bad dtype or a
-        sharding that splits anything else."""
-        v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        return cls._create(locals())
+    @staticmethod
+    def complete_args(args: dict) -> dict:
+        if args["v_head_dim"] is None:
+            args["v_head_dim"] = args["head_dim"]
+        return args
 
     def buffer_specs(self):
         return (
@@ -151,22 +138,6 @@ class KOnlyPool(_HeadPool):
     KIND = "k_only"
     BUFFERS = ("k_buffer",)
     k_buffer: tuple[jax.Array, ...]
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        size,
-        page_size=1,
-        dtype=jnp.bfloat16,
-        head_num,
-        head_dim,
-        layer_num,
-        start_layer=0,
-        sharding=None,
-    ) -> KOnlyPool:
-        """Allocates a zeroed pool; `sharding` as for `MHAPool.create`."""
-        return cls._create(locals())
 
     def buffer_specs(self):
         return (self._head_spec("k_buffer", self.head_dim),)
@@ -244,24 +215,6 @@ class MLAPool(_LatentPool):
     BUFFERS = ("kv_buffer",)
     kv_buffer: tuple[jax.Array, ...]
 
-    @classmethod
-    def create(
-        cls,
-        *,
-        size,
-        page_size=1,
-        dtype=jnp.bfloat16,
-        kv_lora_rank,
-        qk_rope_head_dim,
-        layer_num,
-        start_layer=0,
-        sharding=None,
-    ) -> MLAPool:
-        """Allocates a zeroed pool; `sharding` places it whole (latent rows are replicated
-        across tensor-parallel devices). Raises `ValueError` on non-positive sizes, a bad dtype
-        or a sharding that splits a buffer."""
-        return cls._create(locals())
-
     def buffer_specs(self):
         return (self._kv_spec(),)
 
@@ -283,34 +236,10 @@ class NSAPool(_LatentPool):
 
     KIND = "nsa"
     BUFFERS = ("kv_buffer", "index_k_with_scale_buffer")
+    CREATE_DEFAULTS = {"page_size": 64, "index_head_dim": 128}
     index_head_dim: int
     kv_buffer: tuple[jax.Array, ...]
     index_k_with_scale_buffer: tuple[jax.Array, ...]
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        size,
-        page_size=64,
-        dtype=jnp.bfloat16,
-        kv_lora_rank,
-        qk_rope_head_dim,
-        layer_num,
-        index_head_dim=128,
-        start_layer=0,
-        sharding=None,
-    ) -> NSAPool:
-        """Allocates a zeroed pool.
-
-        `sharding` places it whole, as for `MLAPool.create`; the indexer buffer follows the
-        latent rows.
-
-        Raises:
-            ValueError: on non-positive sizes, a bad dtype, a sharding that splits a buffer,
-                or (fp8 `dtype`) a `kv_lora_rank` that is not a multiple of 128.
-        """
-        return cls._create(locals())
 
     def check_sizes(self) -> None:
         if self.packed_fp8:
