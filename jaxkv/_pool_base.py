@@ -77,11 +77,20 @@ def pool_pytree(cls):
     kind stores and the arguments it takes are declared once.
     """
     cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
+    meta = _register(cls)
+    cls.create = classmethod(_create_method(cls, [n for n in meta if n not in _COMMON_ARGS]))
+    return cls
+
+
+def _register(cls) -> list[str]:
+    """Registers dataclass `cls` as a pytree whose leaves are its buffers; returns its static
+    field names."""
     names = [f.name for f in dataclasses.fields(cls)]
     data = [n for n in names if n in cls.BUFFERS]
     meta = [n for n in names if n not in cls.BUFFERS]
-    cls.create = classmethod(_create_method(cls, [n for n in meta if n not in _COMMON_ARGS]))
-    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+    jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+    cls._pytree_registered = True
+    return meta
 
 
 def _create_method(cls, sizes: list[str]):
@@ -170,6 +179,13 @@ class PoolBase:
     layer_num: int
     start_layer: int
     sharding: Any
+
+    def __init_subclass__(cls, **kwargs):
+        """A user's subclass of a pool kind (one that adds no fields) is a pytree like the
+        kind, so it can be jitted over and donated too; pytree registration is per class."""
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "_pytree_registered", False):
+            _register(cls)
 
     # ---- static description -------------------------------------------------------------
 

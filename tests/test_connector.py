@@ -744,13 +744,18 @@ def test_a_subclass_of_a_pool_kind_goes_through_the_connector():
     k = jnp.asarray(rng.standard_normal((16, 2, 4)), jnp.bfloat16)
     pool = pool.set_kv(0, np.arange(1, 17), k, k)
     conn = KVConnector(pool, HostStore(1 << 20))
-    assert conn.fingerprint == KVConnector(_make_pool("mha", page_size=1), HostStore(1)).fingerprint
+    plain = MHAPool.create(size=64, head_num=2, head_dim=4, layer_num=2)
+    assert conn.fingerprint == KVConnector(plain, HostStore(1)).fingerprint  # same blocks
     tokens = np.arange(16)
     assert conn.store(pool, tokens, np.arange(1, 17)) == 1
     pool, n = conn.load(pool, tokens, np.arange(20, 36))
     assert n == 16 and type(pool) is MyPool
     got = np.asarray(pool.k_buffer[0])
     np.testing.assert_array_equal(got[20:36], got[1:17])
+    step = jax.jit(lambda p, loc, k: p.set_kv(1, loc, k, k), donate_argnums=0)
+    pool = step(pool, jnp.arange(1, 17), k)  # a pytree like MHAPool
+    assert type(pool) is MyPool
+    np.testing.assert_array_equal(np.asarray(pool.k_buffer[1])[1:17], got[1:17])
 
 
 def test_connector_stats(mha):
