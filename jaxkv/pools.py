@@ -64,6 +64,9 @@ class _KeyedPool(PoolBase):
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class _HeadPool(_KeyedPool):
+    """Rows of `head_num` heads per token. Heads are independent, so a `sharding` may split
+    the heads axis over a tensor-parallel mesh axis, as SGLang's ranks hold `head_num / tp`."""
+
     head_num: int
     head_dim: int
 
@@ -91,6 +94,7 @@ class MHAPool(_HeadPool):
 
     @staticmethod
     def complete_args(args: dict) -> dict:
+        """`v_head_dim=None` means `head_dim`."""
         if args["v_head_dim"] is None:
             args["v_head_dim"] = args["head_dim"]
         return args
@@ -154,7 +158,9 @@ class KOnlyPool(_HeadPool):
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class _LatentPool(_KeyedPool):
-    """MLA latent rows: `kv_buffer[l] (rows, 1, kv_lora_rank + qk_rope_head_dim)`."""
+    """MLA latent rows: `kv_buffer[l] (rows, 1, kv_lora_rank + qk_rope_head_dim)`. One latent
+    row serves every head, so a `sharding` places it whole (replicated over tensor-parallel
+    devices), never splits it."""
 
     KEY_BUFFER = "kv_buffer"
     kv_lora_rank: int
