@@ -12,16 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Logical dtype -> storage dtype. float32 is stored as itself: its scatters are already O(T).
-_STORE = {
-    jnp.dtype(jnp.float32): jnp.dtype(jnp.float32),
-    jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16),
-    jnp.dtype(jnp.float16): jnp.dtype(jnp.uint16),
-    jnp.dtype(jnp.float8_e4m3fn): jnp.dtype(jnp.uint8),
-    jnp.dtype(jnp.float8_e5m2): jnp.dtype(jnp.uint8),
-}
-
-SUPPORTED_DTYPES = tuple(_STORE)
+# The logical dtypes a pool may have. Each is stored as `bits_dtype` of itself: float32 as
+# itself (its scatters are already O(T)), 16- and 8-bit floats as raw unsigned bits.
+SUPPORTED_DTYPES = tuple(
+    jnp.dtype(d)
+    for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+)
 
 
 def canonical_dtype(dtype, *, arg: str = "dtype") -> np.dtype:
@@ -30,15 +26,15 @@ def canonical_dtype(dtype, *, arg: str = "dtype") -> np.dtype:
         dt = jnp.dtype(dtype)
     except TypeError as err:
         raise ValueError(f"{arg}: expected a float dtype, got {dtype!r}") from err
-    if dt not in _STORE:
+    if dt not in SUPPORTED_DTYPES:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
         raise ValueError(f"{arg}: expected one of {names}, got {dt.name}")
     return dt
 
 
 def store_dtype_of(dtype: np.dtype) -> np.dtype:
-    """The dtype a pool of logical `dtype` keeps in its buffers."""
-    return _STORE[jnp.dtype(dtype)]
+    """The dtype a pool of logical `dtype` keeps in its buffers (its raw bits' dtype)."""
+    return bits_dtype(dtype)
 
 
 def is_fp8(dtype: np.dtype) -> bool:
@@ -167,7 +163,7 @@ def divide(x, y) -> jax.Array:
 
 
 def decode(bits: jax.Array, dtype: np.dtype) -> jax.Array:
-    """Views stored bits as logical `dtype` (identity for float32 pools)."""
+    """Views raw bits as `dtype` (identity when they already are: float32 pools, for one)."""
     dtype = jnp.dtype(dtype)
     return bits if bits.dtype == dtype else jax.lax.bitcast_convert_type(bits, dtype)
 
@@ -214,8 +210,3 @@ def bits_dtype(dtype) -> np.dtype:
 def to_bits(x: jax.Array) -> jax.Array:
     dt = bits_dtype(x.dtype)
     return x if dt == x.dtype else jax.lax.bitcast_convert_type(x, dt)
-
-
-def from_bits(bits: jax.Array, dtype) -> jax.Array:
-    dt = jnp.dtype(dtype)
-    return bits if bits.dtype == dt else jax.lax.bitcast_convert_type(bits, dt)

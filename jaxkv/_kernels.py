@@ -49,6 +49,14 @@ class RowCodec:
 
     dtype: np.dtype
 
+    # A slot's entry is one whole row: a run of slots is a window of rows, and raw stored bits
+    # of the row shape may be written as they are.
+    token_major = True
+
+    def buffer_shape(self, rows: int, row_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of a layer buffer holding `rows` slots of `row_shape` entries."""
+        return (rows, *row_shape)
+
     def write(self, buf: jax.Array, loc: jax.Array, values, scale) -> jax.Array:
         if isinstance(values, tuple):
             bits = jnp.concatenate([_dtypes.encode(v, self.dtype, scale) for v in values], -1)
@@ -75,6 +83,19 @@ class IndexCodec:
 
     page_size: int
     head_dim: int
+
+    # A slot's record is split inside its page (keys, then scales): moved token by token
+    # through `flat_index`, which addresses the buffer as one contiguous run of bytes.
+    token_major = False
+
+    def buffer_shape(self, rows: int, row_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """`(pages, page_size * (head_dim + 4))` for `rows` slots of `(head_dim + 4,)` records."""
+        del row_shape  # always (head_dim + 4,)
+        return (rows // self.page_size, self.page_size * (self.head_dim + 4))
+
+    def split(self, records):
+        """Token records `(T, head_dim + 4)` -> `(keys (T, head_dim), scales (T, 4))` bytes."""
+        return records[:, : self.head_dim], records[:, self.head_dim :]
 
     def flat_index(self, loc: jax.Array, n_pages: int) -> tuple[jax.Array, jax.Array]:
         p, d = self.page_size, self.head_dim
@@ -117,8 +138,9 @@ class IndexCodec:
     def load(self, buf: jax.Array, loc: jax.Array, records: jax.Array) -> jax.Array:
         flat = buf.reshape(-1)
         keys, scales = self.flat_index(loc, buf.shape[0])
-        flat = _drop_scatter(flat, keys, records[:, : self.head_dim])
-        flat = _drop_scatter(flat, scales, records[:, self.head_dim :])
+        key_bytes, scale_bytes = self.split(records)
+        flat = _drop_scatter(flat, keys, key_bytes)
+        flat = _drop_scatter(flat, scales, scale_bytes)
         return flat.reshape(buf.shape)
 
 

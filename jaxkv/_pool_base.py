@@ -9,6 +9,7 @@ their rules; they never re-implement validation, slot handling or the scatter.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _dtypes, _kernels
+from jaxkv._checks import int_arg, is_int
+from jaxkv._sharding import REPLICATED, ShardRule
 
 
 class Write(NamedTuple):
@@ -35,12 +38,14 @@ class Write(NamedTuple):
 
 
 class BufferSpec(NamedTuple):
-    """How one per-layer buffer of a pool is laid out, for generic code such as the connector.
+    """How one per-layer buffer of a pool is laid out: the single description of a layout.
 
-    `row_shape` is the shape of one token's stored entry, `codec` says where that entry lives
-    (`RowCodec`: row `slot`; `IndexCodec`: packed into the slot's page), and `value_shape` is
-    the per-token shape a setter takes when it differs from `row_shape` (NSA index keys are
-    written as floats and stored as fp8 bytes plus a scale).
+    `create` allocates from it, `get_kv_size_bytes`, the setters and readers and the connector
+    read it. `row_shape` is the shape of one token's stored entry, `codec` says where that
+    entry lives and how big a layer buffer is (`RowCodec`: row `slot`; `IndexCodec`: packed
+    into the slot's page), `value_shape` is the per-token shape a setter takes when it differs
+    from `row_shape` (NSA index keys are written as floats and stored as fp8 bytes plus a
+    scale), and `shard` says which axis the pool's `sharding` may split.
     """
 
     name: str
@@ -48,6 +53,7 @@ class BufferSpec(NamedTuple):
     store_dtype: np.dtype
     codec: _kernels.Codec
     value_shape: tuple[int, ...] | None = None
+    shard: ShardRule = REPLICATED
 
     def input_shape(self, value) -> tuple[int, ...]:
         """The per-token shape a setter's `value` must have: `value_shape` (else `row_shape`),
@@ -55,30 +61,96 @@ class BufferSpec(NamedTuple):
         (NSA's packed fp8 rows take floats of the latent's shape, or raw packed rows)."""
         raw = (
             not isinstance(value, tuple)
-            and isinstance(self.codec, _kernels.RowCodec)
+            and self.codec.token_major
             and value.dtype == self.store_dtype
         )
         return self.row_shape if raw or self.value_shape is None else self.value_shape
 
 
 def pool_pytree(cls):
-    """Registers a pool dataclass: `BUFFERS` fields are data, all other fields are static."""
+    """Declares a pool kind: a frozen dataclass registered as a pytree (`BUFFERS` fields are
+    data, all other fields static) with its `create` classmethod.
+
+    `create` takes, keyword-only, the arguments every kind takes plus the kind's own sizes
+    (its static fields beyond the common ones): required ones before `layer_num`, those with a
+    `CREATE_DEFAULTS` entry after it. Its signature is built from those fields, so the sizes a
+    kind stores and the arguments it takes are declared once.
+    """
     cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
+    meta = _register(cls)
+    cls.create = classmethod(_create_method(cls, [n for n in meta if n not in _COMMON_ARGS]))
+    return cls
+
+
+def _register(cls) -> list[str]:
+    """Registers dataclass `cls` as a pytree whose leaves are its buffers; returns its static
+    field names."""
     names = [f.name for f in dataclasses.fields(cls)]
     data = [n for n in names if n in cls.BUFFERS]
     meta = [n for n in names if n not in cls.BUFFERS]
-    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+    jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+    cls._pytree_registered = True
+    return meta
 
 
-def require_positive(**sizes: int) -> None:
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+def _create_method(cls, sizes: list[str]):
+    defaults = {**_COMMON_DEFAULTS, **cls.CREATE_DEFAULTS}
+    order = [
+        "size",
+        "page_size",
+        "dtype",
+        *(n for n in sizes if n not in defaults),
+        "layer_num",
+        *(n for n in sizes if n in defaults),
+        "start_layer",
+        "sharding",
+    ]
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)]
+    params += [
+        inspect.Parameter(n, kw, default=defaults.get(n, inspect.Parameter.empty)) for n in order
+    ]
+    signature = inspect.Signature(params, return_annotation=cls.__name__)
+
+    def create(kind, /, *args, **kwargs):
+        try:
+            bound = signature.bind(kind, *args, **kwargs)
+        except TypeError as err:  # what Python says of a plain function, with its name
+            raise TypeError(f"{kind.__name__}.create(): {err}") from None
+        bound.apply_defaults()
+        return kind._create(bound.arguments)
+
+    create.__signature__ = signature
+    create.__qualname__ = f"{cls.__name__}.create"
+    create.__module__ = cls.__module__
+    create.__doc__ = _CREATE_DOC.format(kind=cls.__name__)
+    return create
 
 
-def zeros_buffers(n: int, shape: tuple[int, ...], dtype, sharding) -> tuple[jax.Array, ...]:
-    """`n` zero buffers placed with `sharding` (or on the default device)."""
-    return tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(n))
+_COMMON_DEFAULTS = {"page_size": 1, "dtype": jnp.bfloat16, "start_layer": 0, "sharding": None}
+
+_CREATE_DOC = """Allocates a zeroed `{kind}`; every argument is keyword-only.
+
+    Args:
+        size: token slots, a positive multiple of `page_size`; each layer buffer has
+            `size + page_size` rows (page 0 is the padding sink).
+        page_size: tokens per page.
+        dtype: logical dtype (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2).
+        layer_num: layers held; `start_layer` is the first one's global id.
+        sharding: placement of every buffer (`None`: the default device). Token rows are
+            never split; MHA and K-only pools may split heads over a mesh axis (`head_num`
+            divisible by its size), MLA and NSA buffers are replicated.
+        The kind's own sizes (head or latent sizes) are positive ints.
+
+    Raises:
+        ValueError: a bad size, dtype or sharding, naming the argument (NSA with an fp8
+            dtype also needs `kv_lora_rank` a multiple of 128).
+        TypeError: a positional, unknown or missing argument.
+    """
+
+
+# The `create` arguments every pool kind takes; the others are the kind's own sizes.
+_COMMON_ARGS = ("size", "page_size", "dtype", "layer_num", "start_layer", "sharding")
 
 
 _NOT_CONCRETE = (
@@ -91,10 +163,15 @@ _NOT_CONCRETE = (
 class PoolBase:
     """Shared behaviour of `MHAPool`, `MLAPool`, `NSAPool` and `KOnlyPool`.
 
-    Subclasses are declared with `@pool_pytree` and start with these static fields.
+    Subclasses are declared with `@pool_pytree` and start with these static fields. A kind
+    declares its buffers once, in `buffer_specs`; `create` allocates from that declaration.
     """
 
     BUFFERS: ClassVar[tuple[str, ...]] = ()
+    # `create` defaults of this kind's own arguments (the common ones default as documented).
+    CREATE_DEFAULTS: ClassVar[Mapping[str, Any]] = {}
+    # The layout kind the connector keys blocks by; subclasses of a kind inherit it.
+    KIND: ClassVar[str] = ""
 
     size: int
     page_size: int
@@ -102,6 +179,13 @@ class PoolBase:
     layer_num: int
     start_layer: int
     sharding: Any
+
+    def __init_subclass__(cls, **kwargs):
+        """A user's subclass of a pool kind (one that adds no fields) is a pytree like the
+        kind, so it can be jitted over and donated too; pytree registration is per class."""
+        super().__init_subclass__(**kwargs)
+        if getattr(cls, "_pytree_registered", False):
+            _register(cls)
 
     # ---- static description -------------------------------------------------------------
 
@@ -117,6 +201,19 @@ class PoolBase:
     def buffer_specs(self) -> tuple[BufferSpec, ...]:
         """The per-layer buffers of this pool, in export order."""
         raise NotImplementedError
+
+    def spec(self, name: str) -> BufferSpec:
+        """The declaration of buffer `name`."""
+        return next(s for s in self.buffer_specs() if s.name == name)
+
+    def size_fields(self) -> dict[str, int]:
+        """The kind's own sizes (`head_num`, `kv_lora_rank`, ...): every static field that
+        is not common to all kinds."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in self.BUFFERS and f.name not in _COMMON_ARGS
+        }
 
     def buffers(self, name: str) -> tuple[jax.Array, ...]:
         return getattr(self, name)
@@ -135,26 +232,63 @@ class PoolBase:
     @staticmethod
     def common_fields(*, size, page_size, layer_num, start_layer, dtype, sharding) -> dict:
         """Validates the arguments every pool kind takes; returns them as static fields."""
-        require_positive(size=size, page_size=page_size, layer_num=layer_num)
+        size, page_size = int_arg("size", size), int_arg("page_size", page_size)
+        layer_num = int_arg("layer_num", layer_num)
         if size % page_size:
             raise ValueError(
                 f"size: expected a multiple of page_size={page_size}, got {size} "
                 f"(use {(size // page_size + 1) * page_size})"
             )
-        if (
-            isinstance(start_layer, bool)
-            or not isinstance(start_layer, (int, np.integer))
-            or (start_layer < 0)
-        ):
-            raise ValueError(f"start_layer: expected an int >= 0, got {start_layer!r}")
         return dict(
-            size=int(size),
-            page_size=int(page_size),
+            size=size,
+            page_size=page_size,
             dtype=_dtypes.canonical_dtype(dtype),
-            layer_num=int(layer_num),
-            start_layer=int(start_layer),
+            layer_num=layer_num,
+            start_layer=int_arg("start_layer", start_layer, low=0),
             sharding=sharding,
         )
+
+    @classmethod
+    def _create(cls, args: Mapping[str, Any]):
+        """What every kind's `create` does with its keyword arguments `args`:
+        validates them, then allocates zeroed buffers as `buffer_specs` declares them.
+
+        The kind's own sizes (every argument not common to all kinds) are positive ints.
+        Every check, sharding included, runs before anything is allocated.
+        """
+        args = cls.complete_args({k: v for k, v in args.items() if k != "cls"})
+        sizes = {k: int_arg(k, v) for k, v in args.items() if k not in _COMMON_ARGS}
+        common = cls.common_fields(**{k: args[k] for k in _COMMON_ARGS})
+        pool = cls(**common, **sizes, **dict.fromkeys(cls.BUFFERS, ()))
+        pool.check_sizes()
+        specs = pool.buffer_specs()
+        shapes = [s.codec.buffer_shape(pool.rows, s.row_shape) for s in specs]
+        where = [
+            s.shard.placement(pool.sharding, s.name, shape, cls.__name__)
+            for s, shape in zip(specs, shapes)
+        ]
+        return pool.with_buffers(
+            **{
+                s.name: [jnp.zeros(shape, s.store_dtype, device=w) for _ in range(pool.layer_num)]
+                for s, shape, w in zip(specs, shapes, where)
+            }
+        )
+
+    @staticmethod
+    def complete_args(args: dict) -> dict:
+        """`create`'s arguments with defaults that depend on others filled in; none here."""
+        return args
+
+    def check_sizes(self) -> None:
+        """Rules between a kind's sizes beyond positivity (`ValueError`); none by default."""
+
+    def with_buffers(self, **buffers):
+        """A pool like this one (same class and static fields) holding the given per-layer
+        buffers, e.g. `pool.with_buffers(k_buffer=new_layers)`; the others are shared."""
+        unknown = sorted(set(buffers) - set(self.BUFFERS))
+        if unknown:
+            raise ValueError(f"buffers: expected names among {self.BUFFERS}, got {unknown}")
+        return dataclasses.replace(self, **{k: tuple(v) for k, v in buffers.items()})
 
     def __repr__(self) -> str:
         fields = [
@@ -164,20 +298,20 @@ class PoolBase:
         ]
         return f"{type(self).__name__}(dtype={self.dtype.name}, {', '.join(fields)})"
 
+    def buffer_bytes(self, name: str) -> int:
+        """Bytes of every layer of buffer `name` (0 when this kind has no such buffer)."""
+        return sum(int(b.nbytes) for b in getattr(self, name, ()))
+
     def get_kv_size_bytes(self):
         """Bytes of every allocated buffer (MHA and K-only override to return (k, v))."""
-        return sum(int(b.nbytes) for spec in self.buffer_specs() for b in self.buffers(spec.name))
+        return sum(self.buffer_bytes(spec.name) for spec in self.buffer_specs())
 
     # ---- layer ids and slots ------------------------------------------------------------
 
     def layer_index(self, layer_id: int) -> int:
         """Global `layer_id` -> index into this pool's buffer tuples."""
         stop = self.start_layer + self.layer_num
-        if (
-            isinstance(layer_id, bool)
-            or not isinstance(layer_id, (int, np.integer))
-            or not (self.start_layer <= layer_id < stop)
-        ):
+        if not is_int(layer_id) or not (self.start_layer <= layer_id < stop):
             raise IndexError(
                 f"layer_id: expected a global layer id in range({self.start_layer}, {stop}), "
                 f"got {layer_id!r}"
@@ -256,7 +390,7 @@ class PoolBase:
                 writes[i] = w = w._replace(scale=None)
             self.check_shape(w.arg, w.value, (n, *spec.input_shape(w.value)))
             # Only where values are stored as their own bits can a host view stand in for them.
-            stored_as_is = spec.value_shape is None and isinstance(spec.codec, _kernels.RowCodec)
+            stored_as_is = spec.value_shape is None and spec.codec.token_major
             if eager and stored_as_is:
                 bits = tuple(_dtypes.host_bits(p, self.dtype) for p in parts)
                 writes[i] = w._replace(value=bits if isinstance(w.value, tuple) else bits[0])
@@ -276,8 +410,14 @@ class PoolBase:
         for name, buf in new_buffers.items():
             layers = list(self.buffers(name))
             layers[li] = buf
-            changes[name] = tuple(layers)
-        return dataclasses.replace(self, **changes)
+            changes[name] = layers
+        return self.with_buffers(**changes)
+
+    def read_slots(self, name: str, layer_id: int, loc) -> jax.Array:
+        """Stored entries of buffer `name` at slots `loc` (zero bits out of range),
+        `(T, *row_shape)`, as its declared codec finds them."""
+        buf = self.layer_buffer(name, self.layer_index(layer_id))
+        return _kernels.read_slots(self.spec(name).codec, buf, self.prepare_loc(loc))
 
     def read(self, name: str, layer_id: int) -> jax.Array:
         """The whole buffer `name` of `layer_id` in the logical dtype."""

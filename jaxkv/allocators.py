@@ -19,19 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._checks import int_arg
+
 __all__ = ["TokenAllocator", "PagedAllocator", "ReqToTokenPool"]
-
-
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
-
-
-def _count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
-    return int(value)
 
 
 def _int_vector(name: str, x) -> np.ndarray:
@@ -51,8 +41,8 @@ class _PageFreeList:
     """Free pages `1..size//page_size` with SGLang's free/release lists."""
 
     def __init__(self, size: int, page_size: int):
-        self.size = _positive("size", size)
-        self.page_size = _positive("page_size", page_size)
+        self.size = int_arg("size", size)
+        self.page_size = int_arg("page_size", page_size)
         self.num_pages = self.size // self.page_size
         self.clear()
 
@@ -90,7 +80,7 @@ class _PageFreeList:
 
     def alloc(self, need_size: int) -> np.ndarray | None:
         """`need_size` unique slots (whole pages, in free-list order), or `None` if short."""
-        need_size = _count("need_size", need_size)
+        need_size = int_arg("need_size", need_size, low=0)
         if need_size % self.page_size:
             raise ValueError(
                 f"need_size: expected a multiple of page_size={self.page_size}, got {need_size}"
@@ -255,8 +245,8 @@ class ReqToTokenPool:
     """
 
     def __init__(self, size: int, max_context_len: int, *, _rows=None, _table=None):
-        self.size = _positive("size", size)
-        self.max_context_len = _positive("max_context_len", max_context_len)
+        self.size = int_arg("size", size)
+        self.max_context_len = int_arg("max_context_len", max_context_len)
         self._rows = _rows if _rows is not None else _RowFreeList(self.size)
         self.req_to_token = (
             _table
@@ -269,7 +259,7 @@ class ReqToTokenPool:
 
     def alloc(self, need_size: int = 1) -> list[int] | None:
         """`need_size` free rows (never row 0), or `None` (taking none) when fewer are free."""
-        need_size = _count("need_size", need_size)
+        need_size = int_arg("need_size", need_size, low=0)
         free = self._rows.free_slots
         if need_size > len(free):
             return None

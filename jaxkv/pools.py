@@ -22,14 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _dtypes, _kernels, _packed_fp8
-from jaxkv._pool_base import (
-    BufferSpec,
-    PoolBase,
-    Write,
-    pool_pytree,
-    require_positive,
-    zeros_buffers,
-)
+from jaxkv._pool_base import BufferSpec, PoolBase, Write, pool_pytree
+from jaxkv._sharding import HEADS
 
 __all__ = ["MHAPool", "KOnlyPool", "MLAPool", "NSAPool"]
 
@@ -70,12 +64,20 @@ class _KeyedPool(PoolBase):
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class _HeadPool(_KeyedPool):
+    """Rows of `head_num` heads per token. Heads are independent, so a `sharding` may split
+    the heads axis over a tensor-parallel mesh axis, as SGLang's ranks hold `head_num / tp`."""
+
     head_num: int
     head_dim: int
 
-    def _k_spec(self) -> BufferSpec:
-        shape = (self.head_num, self.head_dim)
-        return BufferSpec("k_buffer", shape, self.store_dtype, _kernels.RowCodec(self.dtype))
+    def _head_spec(self, name: str, head_dim: int) -> BufferSpec:
+        """A token-major buffer of `(head_num, head_dim)` rows, split by heads if sharded."""
+        codec = _kernels.RowCodec(self.dtype)
+        return BufferSpec(name, (self.head_num, head_dim), self.store_dtype, codec, shard=HEADS)
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        """`(k_bytes, v_bytes)` over every layer (K-only: `v_bytes == 0`)."""
+        return self.buffer_bytes("k_buffer"), self.buffer_bytes("v_buffer")
 
 
 @pool_pytree
@@ -83,63 +85,31 @@ class MHAPool(_HeadPool):
     """Multi-head attention pool: `k_buffer[l] (rows, head_num, head_dim)` and `v_buffer[l]
     (rows, head_num, v_head_dim)` per layer, `rows = size + page_size`."""
 
+    KIND = "mha"
     BUFFERS = ("k_buffer", "v_buffer")
+    CREATE_DEFAULTS = {"v_head_dim": None}  # None: head_dim
     v_head_dim: int
     k_buffer: tuple[jax.Array, ...]
     v_buffer: tuple[jax.Array, ...]
 
-    @classmethod
-    def create(
-        cls,
-        *,
-        size,
-        page_size=1,
-        dtype=jnp.bfloat16,
-        head_num,
-        head_dim,
-        layer_num,
-        v_head_dim=None,
-        start_layer=0,
-        sharding=None,
-    ) -> MHAPool:
-        """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
-        v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        require_positive(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim)
-        common = cls.common_fields(
-            size=size,
-            page_size=page_size,
-            layer_num=layer_num,
-            start_layer=start_layer,
-            dtype=dtype,
-            sharding=sharding,
-        )
-        dt = common["dtype"]
-        rows, store = size + page_size, _dtypes.store_dtype_of(dt)
-        return cls(
-            **common,
-            head_num=int(head_num),
-            head_dim=int(head_dim),
-            v_head_dim=int(v_head_dim),
-            k_buffer=zeros_buffers(layer_num, (rows, head_num, head_dim), store, sharding),
-            v_buffer=zeros_buffers(layer_num, (rows, head_num, v_head_dim), store, sharding),
-        )
+    @staticmethod
+    def complete_args(args: dict) -> dict:
+        """`v_head_dim=None` means `head_dim`."""
+        if args["v_head_dim"] is None:
+            args["v_head_dim"] = args["head_dim"]
+        return args
 
     def buffer_specs(self):
-        v_shape = (self.head_num, self.v_head_dim)
-        v = BufferSpec("v_buffer", v_shape, self.store_dtype, _kernels.RowCodec(self.dtype))
-        return (self._k_spec(), v)
+        return (
+            self._head_spec("k_buffer", self.head_dim),
+            self._head_spec("v_buffer", self.v_head_dim),
+        )
 
     def get_value_buffer(self, layer_id: int) -> jax.Array:
         return self.read("v_buffer", layer_id)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
-
-    def get_kv_size_bytes(self) -> tuple[int, int]:
-        return (
-            sum(int(b.nbytes) for b in self.k_buffer),
-            sum(int(b.nbytes) for b in self.v_buffer),
-        )
 
     def set_kv(
         self,
@@ -169,43 +139,12 @@ class KOnlyPool(_HeadPool):
     """K-only pool (SGLang's `MHATokenToKOnlyPool`, MiniMax sparse index layers):
     `k_buffer[l] (rows, head_num, head_dim)` and no `v_buffer` attribute at all."""
 
+    KIND = "k_only"
     BUFFERS = ("k_buffer",)
     k_buffer: tuple[jax.Array, ...]
 
-    @classmethod
-    def create(
-        cls,
-        *,
-        size,
-        page_size=1,
-        dtype=jnp.bfloat16,
-        head_num,
-        head_dim,
-        layer_num,
-        start_layer=0,
-        sharding=None,
-    ) -> KOnlyPool:
-        """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
-        require_positive(head_num=head_num, head_dim=head_dim)
-        common = cls.common_fields(
-            size=size,
-            page_size=page_size,
-            layer_num=layer_num,
-            start_layer=start_layer,
-            dtype=dtype,
-            sharding=sharding,
-        )
-        dt = common["dtype"]
-        shape = (size + page_size, head_num, head_dim)
-        return cls(
-            **common,
-            head_num=int(head_num),
-            head_dim=int(head_dim),
-            k_buffer=zeros_buffers(layer_num, shape, _dtypes.store_dtype_of(dt), sharding),
-        )
-
     def buffer_specs(self):
-        return (self._k_spec(),)
+        return (self._head_spec("k_buffer", self.head_dim),)
 
     def get_value_buffer(self, layer_id: int):
         raise NotImplementedError(_NO_V_READ.format(cls=type(self).__name__, layer=layer_id))
@@ -213,29 +152,24 @@ class KOnlyPool(_HeadPool):
     def get_kv_buffer(self, layer_id: int):
         raise NotImplementedError(_NO_V_READ.format(cls=type(self).__name__, layer=layer_id))
 
-    def get_kv_size_bytes(self) -> tuple[int, int]:
-        return (sum(int(b.nbytes) for b in self.k_buffer), 0)
-
     def set_kv(self, layer_id, loc, cache_k, cache_v=None, k_scale=None, v_scale=None, **kw):
         raise NotImplementedError(_NO_V_WRITE.format(cls=type(self).__name__))
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class _LatentPool(_KeyedPool):
-    """MLA latent rows: `kv_buffer[l] (rows, 1, kv_lora_rank + qk_rope_head_dim)`."""
+    """MLA latent rows: `kv_buffer[l] (rows, 1, kv_lora_rank + qk_rope_head_dim)`. One latent
+    row serves every head, so a `sharding` places it whole (replicated over tensor-parallel
+    devices), never splits it."""
 
     KEY_BUFFER = "kv_buffer"
     kv_lora_rank: int
     qk_rope_head_dim: int
 
     def _kv_spec(self) -> BufferSpec:
+        """The latent rows, replicated across tensor-parallel devices (every head reads them)."""
         row = (1, self.kv_lora_rank + self.qk_rope_head_dim)
         return BufferSpec("kv_buffer", row, self.store_dtype, _kernels.RowCodec(self.dtype))
-
-    @staticmethod
-    def _latent_buffers(layer_num, rows, kv_lora_rank, qk_rope_head_dim, dtype, sharding):
-        shape = (rows, 1, kv_lora_rank + qk_rope_head_dim)
-        return zeros_buffers(layer_num, shape, _dtypes.store_dtype_of(dtype), sharding)
 
     def get_value_buffer(self, layer_id: int) -> jax.Array:
         """The `[..., :kv_lora_rank]` part of the latent rows (SGLang's V view)."""
@@ -247,10 +181,7 @@ class _LatentPool(_KeyedPool):
     def get_mla_kv(self, layer_id: int, loc) -> tuple[jax.Array, jax.Array]:
         """`(k_nope (T, 1, kv_lora_rank), k_rope (T, 1, qk_rope_head_dim))` at slots `loc`;
         out-of-range slots read as zeros."""
-        li = self.layer_index(layer_id)
-        spec = self._kv_spec()
-        buf = self.layer_buffer("kv_buffer", li)
-        rows = self._decode_rows(_kernels.read_slots(spec.codec, buf, self.prepare_loc(loc)))
+        rows = self._decode_rows(self.read_slots("kv_buffer", layer_id, loc))
         return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
 
     def _decode_rows(self, bits: jax.Array) -> jax.Array:
@@ -286,42 +217,9 @@ class _LatentPool(_KeyedPool):
 class MLAPool(_LatentPool):
     """Multi-head latent attention pool (DeepSeek): one latent row per token and layer."""
 
+    KIND = "mla"
     BUFFERS = ("kv_buffer",)
     kv_buffer: tuple[jax.Array, ...]
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        size,
-        page_size=1,
-        dtype=jnp.bfloat16,
-        kv_lora_rank,
-        qk_rope_head_dim,
-        layer_num,
-        start_layer=0,
-        sharding=None,
-    ) -> MLAPool:
-        """Allocates a zeroed pool. Raises `ValueError` on non-positive sizes or a bad dtype."""
-        require_positive(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
-        common = cls.common_fields(
-            size=size,
-            page_size=page_size,
-            layer_num=layer_num,
-            start_layer=start_layer,
-            dtype=dtype,
-            sharding=sharding,
-        )
-        dt = common["dtype"]
-        kv = cls._latent_buffers(
-            layer_num, size + page_size, kv_lora_rank, qk_rope_head_dim, dt, sharding
-        )
-        return cls(
-            **common,
-            kv_lora_rank=int(kv_lora_rank),
-            qk_rope_head_dim=int(qk_rope_head_dim),
-            kv_buffer=kv,
-        )
 
     def buffer_specs(self):
         return (self._kv_spec(),)
@@ -342,61 +240,16 @@ class NSAPool(_LatentPool):
     packs too, its tiles being e4m3 like every packed row.
     """
 
+    KIND = "nsa"
     BUFFERS = ("kv_buffer", "index_k_with_scale_buffer")
+    CREATE_DEFAULTS = {"page_size": 64, "index_head_dim": 128}
     index_head_dim: int
     kv_buffer: tuple[jax.Array, ...]
     index_k_with_scale_buffer: tuple[jax.Array, ...]
 
-    @classmethod
-    def create(
-        cls,
-        *,
-        size,
-        page_size=64,
-        dtype=jnp.bfloat16,
-        kv_lora_rank,
-        qk_rope_head_dim,
-        layer_num,
-        index_head_dim=128,
-        start_layer=0,
-        sharding=None,
-    ) -> NSAPool:
-        """Allocates a zeroed pool.
-
-        Raises:
-            ValueError: on non-positive sizes, a bad dtype, or (fp8 `dtype`) a `kv_lora_rank`
-                that is not a multiple of 128.
-        """
-        require_positive(
-            kv_lora_rank=kv_lora_rank,
-            qk_rope_head_dim=qk_rope_head_dim,
-            index_head_dim=index_head_dim,
-        )
-        common = cls.common_fields(
-            size=size,
-            page_size=page_size,
-            layer_num=layer_num,
-            start_layer=start_layer,
-            dtype=dtype,
-            sharding=sharding,
-        )
-        dt = common["dtype"]
-        rows = size + page_size
-        if _dtypes.is_fp8(dt):
-            _packed_fp8.check_rank(kv_lora_rank, dt)
-            row = (rows, 1, _packed_fp8.packed_width(kv_lora_rank, qk_rope_head_dim))
-            kv = zeros_buffers(layer_num, row, jnp.uint8, sharding)
-        else:
-            kv = cls._latent_buffers(layer_num, rows, kv_lora_rank, qk_rope_head_dim, dt, sharding)
-        index_shape = (rows // page_size, page_size * (index_head_dim + 4))
-        return cls(
-            **common,
-            kv_lora_rank=int(kv_lora_rank),
-            qk_rope_head_dim=int(qk_rope_head_dim),
-            index_head_dim=int(index_head_dim),
-            kv_buffer=kv,
-            index_k_with_scale_buffer=zeros_buffers(layer_num, index_shape, jnp.uint8, sharding),
-        )
+    def check_sizes(self) -> None:
+        if self.packed_fp8:
+            _packed_fp8.check_rank(self.kv_lora_rank, self.dtype)
 
     @property
     def packed_fp8(self) -> bool:
@@ -423,7 +276,7 @@ class NSAPool(_LatentPool):
     def _decode_rows(self, bits: jax.Array) -> jax.Array:
         if not self.packed_fp8:
             return super()._decode_rows(bits)
-        return _packed_fp8.dequantize(self._kv_spec().codec, bits)
+        return _packed_fp8.dequantize(self.spec("kv_buffer").codec, bits)
 
     def get_key_buffer(self, layer_id: int) -> jax.Array:
         """The whole latent buffer of `layer_id`: `(rows, 1, kv_lora_rank + qk_rope_head_dim)`
@@ -458,7 +311,7 @@ class NSAPool(_LatentPool):
                     raise ValueError(
                         f"{arg}: uint8 raw bits cannot be split into parts of a packed fp8 row; "
                         "pass float values, or whole packed rows uint8 (T, 1, "
-                        f"{self._kv_spec().row_shape[-1]}) to set_k"
+                        f"{self.spec('kv_buffer').row_shape[-1]}) to set_k"
                     )
         return super().set_mla_kv(
             layer_id, loc, k_nope, k_rope, donate=donate, check_bounds=check_bounds
@@ -466,10 +319,8 @@ class NSAPool(_LatentPool):
 
     def get_index_k(self, layer_id: int, loc) -> jax.Array:
         """Dequantised index keys float32 `(T, index_head_dim)` at slots `loc`."""
-        li = self.layer_index(layer_id)
-        spec = self._index_spec()
-        buf = self.layer_buffer("index_k_with_scale_buffer", li)
-        return spec.codec.dequantize(_kernels.read_slots(spec.codec, buf, self.prepare_loc(loc)))
+        records = self.read_slots("index_k_with_scale_buffer", layer_id, loc)
+        return self.spec("index_k_with_scale_buffer").codec.dequantize(records)
 
     def set_index_k(self, layer_id, loc, index_k, *, donate=True, check_bounds=False) -> NSAPool:
         """Quantises `index_k (T, index_head_dim)` per token to fp8-e4m3 with scale

@@ -147,9 +147,9 @@ def test_flush_raises_a_pending_write_error():
 )
 @pytest.mark.parametrize("use_async", [False, True])
 def test_large_snapshots_stage_per_layer_and_round_trip_bit_exact(monkeypatch, use_async):
-    from jaxkv.connector import _layout
+    from jaxkv.connector import _transfers
 
-    monkeypatch.setattr(_layout, "_FRESH_MMAP_BYTES", 0)  # take the >32 MiB path at any size
+    monkeypatch.setattr(_transfers, "_FRESH_MMAP_BYTES", 0)  # take the >32 MiB path at any size
     pool = jaxkv.NSAPool.create(
         size=256,
         page_size=16,

@@ -704,6 +704,60 @@ def test_load_rejects_a_pool_of_another_layout(mha):
         conn.store(other, tokens, slots)
 
 
+def test_layout_mismatch_names_each_differing_field():
+    pool = MHAPool.create(size=64, page_size=16, head_num=8, head_dim=4, layer_num=2)
+    conn = KVConnector(pool, HostStore(1 << 20))
+    other = MHAPool.create(size=64, page_size=1, head_num=4, head_dim=4, layer_num=2)
+    with pytest.raises(ValueError, match="expected the layout") as err:
+        conn.store(other, np.arange(16), np.arange(16))
+    message = str(err.value)
+    assert "page_size: expected 16, got 1" in message
+    assert "head_num: expected 8, got 4" in message
+    for same in ("kind:", "dtype:", "layer_num:", "head_dim:", "v_head_dim:"):
+        assert same not in message  # only the fields that differ are named
+
+
+def test_layout_mismatch_with_a_foreign_pool_names_the_rows_that_differ():
+    pool = MHAPool.create(size=32, head_num=2, head_dim=4, layer_num=1)
+    conn = KVConnector(pool, HostStore(1 << 20))
+    foreign = _Foreign(
+        k_buffer=[np.zeros((33, 2, 8), np.uint16)],
+        v_buffer=[np.zeros((33, 2, 4), np.uint16)],
+        dtype="bfloat16",
+    )
+    with pytest.raises(ValueError, match=r"k rows: expected \(2, 4\) uint16, got \(2, 8\)"):
+        conn.export_blocks(foreign, np.arange(16))
+
+
+class _Foreign:
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+def test_a_subclass_of_a_pool_kind_goes_through_the_connector():
+    class MyPool(MHAPool):
+        """A user's pool: its kind is inherited, whatever its name."""
+
+    pool = MyPool.create(size=64, head_num=2, head_dim=4, layer_num=2)
+    assert type(pool) is MyPool
+    rng = np.random.default_rng(3)
+    k = jnp.asarray(rng.standard_normal((16, 2, 4)), jnp.bfloat16)
+    pool = pool.set_kv(0, np.arange(1, 17), k, k)
+    conn = KVConnector(pool, HostStore(1 << 20))
+    plain = MHAPool.create(size=64, head_num=2, head_dim=4, layer_num=2)
+    assert conn.fingerprint == KVConnector(plain, HostStore(1)).fingerprint  # same blocks
+    tokens = np.arange(16)
+    assert conn.store(pool, tokens, np.arange(1, 17)) == 1
+    pool, n = conn.load(pool, tokens, np.arange(20, 36))
+    assert n == 16 and type(pool) is MyPool
+    got = np.asarray(pool.k_buffer[0])
+    np.testing.assert_array_equal(got[20:36], got[1:17])
+    step = jax.jit(lambda p, loc, k: p.set_kv(1, loc, k, k), donate_argnums=0)
+    pool = step(pool, jnp.arange(1, 17), k)  # a pytree like MHAPool
+    assert type(pool) is MyPool
+    np.testing.assert_array_equal(np.asarray(pool.k_buffer[1])[1:17], got[1:17])
+
+
 def test_connector_stats(mha):
     pool, store, conn, tokens, slots = mha
     conn.store(pool, tokens[:48], slots[:48])

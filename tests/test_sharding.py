@@ -39,13 +39,73 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_head_sharded_pool_updates_and_round_trips_on_a_mesh():
+RULES = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, jaxkv
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    assert len(jax.devices()) == 4
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+
+    def refused(make, *words):
+        try:
+            make()
+        except ValueError as err:
+            assert str(err).startswith("sharding: expected"), err
+            assert all(w in str(err) for w in words), (words, err)
+        else:
+            raise AssertionError(f"accepted: {words}")
+
+    heads = NamedSharding(mesh, P(None, "tp", None))
+    latent = dict(size=64, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=1)
+    # Heads must divide over the mesh axis; the error names head_num, expected and got.
+    refused(lambda: jaxkv.MHAPool.create(size=64, head_num=6, head_dim=16, layer_num=1,
+                                         sharding=heads),
+            "head_num divisible by the 4", "got head_num=6")
+    # The token axis is never split, whatever the kind; the error says what to do instead.
+    for kind, sizes in ((jaxkv.KOnlyPool, dict(size=64, head_num=8, head_dim=16, layer_num=1)),
+                        (jaxkv.MLAPool, latent)):
+        refused(lambda: kind.create(**sizes, sharding=NamedSharding(mesh, P("tp"))),
+                "token axis", "shard heads instead")
+    # Latent rows are replicated: splitting any of their axes is refused.
+    refused(lambda: jaxkv.MLAPool.create(**latent, sharding=heads), "replicated")
+    refused(lambda: jaxkv.NSAPool.create(**latent, page_size=16, index_head_dim=16,
+                                         sharding=NamedSharding(mesh, P(None, None, "tp"))),
+            "replicated")
+    refused(lambda: jaxkv.MHAPool.create(size=64, head_num=8, head_dim=16, layer_num=1,
+                                         sharding=NamedSharding(mesh, P(None, None, "tp"))),
+            "only its heads axis")
+    # Replicated latent pools work, and NSA's 2-d indexer buffer follows a 3-entry spec.
+    for spec in (P(), P(None, None, None)):
+        rep = NamedSharding(mesh, spec)
+        nsa = jaxkv.NSAPool.create(**latent, page_size=16, index_head_dim=16, sharding=rep)
+        for b in nsa.kv_buffer + nsa.index_k_with_scale_buffer:
+            assert b.sharding.is_fully_replicated and len(b.sharding.device_set) == 4
+        idx = np.arange(1, 17)
+        nsa = nsa.set_index_k(0, idx, jnp.ones((16, 16)))
+        assert np.allclose(np.asarray(nsa.get_index_k(0, idx)), 1.0, rtol=1e-2)
+    # A mesh axis of one device splits nothing, so it is no split of the token axis.
+    one = Mesh(np.array(jax.devices()[:1]), ("dp",))
+    jaxkv.MLAPool.create(**latent, sharding=NamedSharding(one, P("dp")))
+    print("ok")
+    """
+)
+
+
+def _run(script: str) -> None:
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", script],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_head_sharded_pool_updates_and_round_trips_on_a_mesh():
+    _run(SCRIPT)
+
+
+def test_create_checks_each_buffer_against_its_sharding_rule():
+    _run(RULES)

@@ -24,17 +24,17 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
+from jaxkv._checks import is_int
 from jaxkv.connector import _hashing
-from jaxkv.connector._layout import (
-    PoolView,
+from jaxkv.connector._pool_views import PoolView, view_of
+from jaxkv.connector._records import BlockRecord, Segment, is_block_of
+from jaxkv.connector._staging import StagingCache, pinned_device
+from jaxkv.connector._transfers import (
     gather_blocks,
     gather_segment,
     segment_staging,
     stage_blocks,
-    view_of,
 )
-from jaxkv.connector._records import BlockRecord, Segment, is_block_of
-from jaxkv.connector._staging import StagingCache, pinned_device
 from jaxkv.connector.stores import BlockStore
 
 # A load sends a whole segment back to the device when it needs at least this share of its
@@ -88,11 +88,7 @@ class KVConnector:
         page = view.layout.page_size
         if block_size is None:
             block_size = page if page > 1 else 16
-        if (
-            isinstance(block_size, bool)
-            or not isinstance(block_size, (int, np.integer))
-            or (block_size <= 0 or block_size % page)
-        ):
+        if not is_int(block_size) or block_size <= 0 or block_size % page:
             raise ValueError(
                 f"block_size: expected a positive multiple of the page size {page}, "
                 f"got {block_size!r}"
@@ -171,10 +167,10 @@ class KVConnector:
         view = view_of(pool)
         layout = dataclasses.replace(view.layout, shard=self.layout.shard)
         if layout.fingerprint(self.block_size) != self.fingerprint:
+            diffs = "; ".join(self.layout.differences(layout)) or "another fingerprint"
             raise ValueError(
-                f"pool: expected the layout this connector was made for ({self.layout.kind}, "
-                f"{self.layout.dtype}, {self.layout.layer_num} layers), got {layout.kind}, "
-                f"{layout.dtype}, {layout.layer_num} layers"
+                f"pool: expected the layout this connector was made for, got one that differs "
+                f"in {diffs}"
             )
         return view
 

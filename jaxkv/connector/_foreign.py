@@ -5,7 +5,7 @@ The connector moves a foreign pool's blocks as raw bits, each buffer with its ow
 * host memory (numpy arrays, torch CPU tensors, anything exporting DLPack from the CPU) is viewed
   with numpy, zero-copy, and written in place;
 * torch tensors on an accelerator are gathered and scattered with torch's own indexing, in place;
-* jax arrays stay with XLA (the caller's `_layout` gathers and scatters them on their device).
+* jax arrays stay with XLA (the connector's device kernels gather and scatter them there).
 
 Host memory of another framework never enters XLA: imported through DLPack, an XLA worker thread
 could drop the last reference and run the producer's deleter during interpreter shutdown, which
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import _dtypes, _kernels
+from jaxkv import _dtypes
 
 # DLPack device type of host memory (kDLCPU).
 _DLPACK_CPU = 1
@@ -118,10 +118,10 @@ def writable_problem(layer, codec) -> str | None:
     if isinstance(layer, np.ndarray):
         if not layer.flags.writeable:
             return "a read-only host array"
-        if isinstance(codec, _kernels.IndexCodec) and not layer.flags.c_contiguous:
-            return "a non-contiguous index buffer (its pages are addressed as one flat run)"
-        return None
-    if isinstance(codec, _kernels.IndexCodec) and not layer.is_contiguous():
+        contiguous = layer.flags.c_contiguous
+    else:
+        contiguous = layer.is_contiguous()
+    if not codec.token_major and not contiguous:
         return "a non-contiguous index buffer (its pages are addressed as one flat run)"
     return None
 
@@ -135,14 +135,14 @@ def read_rows(layer, codec, slots: np.ndarray, bits: np.dtype) -> np.ndarray:
     """Host copy of the entries at `slots`, `(T, *row)` in `bits`, of one `direct_view`."""
     if isinstance(layer, np.ndarray):
         buf = layer.view(bits) if layer.dtype != bits else layer
-        if isinstance(codec, _kernels.IndexCodec):
+        if not codec.token_major:
             keys, scales = _index_positions(codec, slots, buf.shape[0])
             flat = buf.reshape(-1)
             return np.concatenate([flat[keys], flat[scales]], axis=-1)
         return buf[slots]
     torch = _torch()
     dev = layer.device
-    if isinstance(codec, _kernels.IndexCodec):
+    if not codec.token_major:
         keys, scales = _index_positions(codec, slots, layer.shape[0])
         flat = layer.reshape(-1)
         rows = torch.cat(
@@ -157,11 +157,10 @@ def write_rows(layer, codec, slots: np.ndarray, rows: np.ndarray) -> None:
     """Writes raw-bit `rows (T, *row)` at `slots` into one `direct_view`, in place."""
     if isinstance(layer, np.ndarray):
         rows = rows.view(layer.dtype) if rows.dtype != layer.dtype else rows
-        if isinstance(codec, _kernels.IndexCodec):
+        if not codec.token_major:
             keys, scales = _index_positions(codec, slots, layer.shape[0])
             flat = layer.reshape(-1)  # a view: writability checks require C-contiguity
-            flat[keys] = rows[:, : codec.head_dim]
-            flat[scales] = rows[:, codec.head_dim :]
+            flat[keys], flat[scales] = codec.split(rows)
         else:
             layer[slots] = rows
         return
@@ -169,10 +168,21 @@ def write_rows(layer, codec, slots: np.ndarray, rows: np.ndarray) -> None:
     dev = layer.device
     src = torch.from_numpy(np.ascontiguousarray(rows).view(_np_int(rows.dtype.itemsize)))
     src = src.to(dev)
-    if isinstance(codec, _kernels.IndexCodec):
+    if not codec.token_major:
         keys, scales = _index_positions(codec, slots, layer.shape[0])
         flat = layer.view(-1)
-        flat[torch.from_numpy(keys).to(dev)] = src[:, : codec.head_dim]
-        flat[torch.from_numpy(scales).to(dev)] = src[:, codec.head_dim :]
+        key_bytes, scale_bytes = codec.split(src)
+        flat[torch.from_numpy(keys).to(dev)] = key_bytes
+        flat[torch.from_numpy(scales).to(dev)] = scale_bytes
     else:
         layer[torch.from_numpy(slots.astype(np.int64)).to(dev)] = src
+
+
+def read_blocks(layers: list, codec, slots: np.ndarray, block_size: int, row_shape, bits):
+    """Block-major host copy `(n_blocks, layer_num, block_size, *row_shape)` in `bits` of the
+    entries at `slots` of `direct_view` layer buffers."""
+    n_blocks = len(slots) // block_size
+    out = np.empty((n_blocks, len(layers), block_size, *row_shape), bits)
+    for li, buf in enumerate(layers):
+        out[:, li] = read_rows(buf, codec, slots, bits).reshape(n_blocks, block_size, *row_shape)
+    return out

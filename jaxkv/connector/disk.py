@@ -15,6 +15,7 @@ import re
 import threading
 import uuid
 
+from jaxkv._checks import int_arg
 from jaxkv.connector import _records
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector.stores import BlockStore
@@ -39,13 +40,9 @@ class DiskStore(BlockStore):
         self, path: str | os.PathLike, capacity_bytes: int | None = None, *, fsync: bool = False
     ):
         super().__init__()
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or capacity_bytes <= 0
-        ):
-            raise ValueError(
-                f"capacity_bytes: expected a positive int or None, got {capacity_bytes!r}"
+        if capacity_bytes is not None:
+            capacity_bytes = int_arg(
+                "capacity_bytes", capacity_bytes, expected="a positive int or None"
             )
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxkv._checks import int_arg
 from jaxkv.connector._records import BlockRecord, Segment, is_block_of
 
 _COUNTERS = (
@@ -235,23 +236,16 @@ class HostStore(BlockStore):
 
     def __init__(self, capacity_bytes: int, *, preallocate_bytes: int | None = None):
         super().__init__()
-        if (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or (capacity_bytes <= 0)
-        ):
-            raise ValueError(f"capacity_bytes: expected a positive int, got {capacity_bytes!r}")
+        capacity_bytes = int_arg("capacity_bytes", capacity_bytes)
         if preallocate_bytes is None:
             preallocate_bytes = min(capacity_bytes, _PREALLOCATE_BYTES)
-        if (
-            isinstance(preallocate_bytes, bool)
-            or not isinstance(preallocate_bytes, int)
-            or not 0 <= preallocate_bytes <= capacity_bytes
-        ):
-            raise ValueError(
-                f"preallocate_bytes: expected an int in [0, capacity_bytes={capacity_bytes}], "
-                f"got {preallocate_bytes!r}"
-            )
+        preallocate_bytes = int_arg(
+            "preallocate_bytes",
+            preallocate_bytes,
+            low=0,
+            high=capacity_bytes,
+            expected=f"an int in [0, capacity_bytes={capacity_bytes}]",
+        )
         self.capacity_bytes = capacity_bytes
         # key -> (record, the memory it lives in, its bytes)
         self._records: collections.OrderedDict[str, tuple[BlockRecord, _Slot | Segment, int]] = (

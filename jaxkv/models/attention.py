@@ -44,14 +44,8 @@ class GQA:
 
     def create_pool(self, *, size: int, page_size: int, dtype) -> MHAPool:
         c = self.cfg
-        return MHAPool.create(
-            size=size,
-            page_size=page_size,
-            dtype=dtype,
-            head_num=c.n_kv_heads,
-            head_dim=c.head_dim,
-            layer_num=c.n_layers,
-        )
+        sizes = dict(head_num=c.n_kv_heads, head_dim=c.head_dim, layer_num=c.n_layers)
+        return MHAPool.create(size=size, page_size=page_size, dtype=dtype, **sizes)
 
     def _qkv(self, p, x, positions):
         theta = self.cfg.rope_theta
@@ -130,13 +124,9 @@ class MLA:
 
     def create_pool(self, *, size: int, page_size: int, dtype) -> MLAPool:
         c = self.cfg
+        sizes = dict(kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
         return MLAPool.create(
-            size=size,
-            page_size=page_size,
-            dtype=dtype,
-            kv_lora_rank=c.kv_lora_rank,
-            qk_rope_head_dim=c.qk_rope_head_dim,
-            layer_num=c.n_layers,
+            size=size, page_size=page_size, dtype=dtype, layer_num=c.n_layers, **sizes
         )
 
     def _project(self, p, x, positions):

@@ -1,0 +1,144 @@
+"""Write-back strategies: how blocks staged on the host reach a pool's buffers.
+
+`view_of(pool)` pairs a pool with its `Layout` (see `_layout`) as a `PoolView`: jaxkv pools are
+written with one donated scatter and come back as a new pool (`PoolBase.with_buffers`); other
+frameworks' SGLang-shaped objects are written in place where jaxkv can (host memory, torch
+tensors on an accelerator) and have their jax buffers swapped otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxkv._pool_base import PoolBase
+from jaxkv.connector import _foreign
+from jaxkv.connector._block_kernels import block_starts, scatter_donated
+from jaxkv.connector._layout import Layout, Part, describe
+from jaxkv.connector._staging import StagingSlot, on_device, to_host
+
+
+def _device_array(x) -> jax.Array:
+    """A jax view of a foreign device buffer (zero-copy through DLPack); jax arrays, on any
+    device, are used as they are and never exported to numpy."""
+    if isinstance(x, jax.Array):
+        return x
+    if hasattr(x, "__dlpack__"):
+        return jax.dlpack.from_dlpack(x)
+    raise TypeError(f"expected an array supporting DLPack, got {type(x).__name__}")
+
+
+class PoolView:
+    """A pool's layout plus access to its per-layer buffers for block transfers."""
+
+    def __init__(self, pool, layout: Layout):
+        self.pool = pool
+        self.layout = layout
+
+    def host_layers(self, part: Part) -> list | None:
+        """The part's layer buffers when jaxkv moves them outside XLA, else None: numpy views
+        of host memory, or raw-bit torch views of torch tensors on an accelerator (both are
+        read with `_foreign.read_blocks` into host arrays and written in place)."""
+        views = [_foreign.direct_view(b) for b in getattr(self.pool, part.attr)]
+        return views if all(v is not None for v in views) else None
+
+    def arrays(self, parts: Sequence[Part] | None = None) -> tuple[tuple[jax.Array, ...], ...]:
+        """Per part (default: all), the layer buffers as jax arrays."""
+        parts = self.layout.parts if parts is None else parts
+        return tuple(tuple(_device_array(b) for b in getattr(self.pool, p.attr)) for p in parts)
+
+    def write(self, slots: np.ndarray, staging: Sequence[StagingSlot], block_size: int):
+        """Writes `staging` (one `StagingSlot` per part) at `slots`; returns the pool.
+
+        `staging` holds one layer-major host array per part, `(layer_num, n_blocks, block_size,
+        *row)`: each layer's slice is contiguous, so it reaches the device as its own zero-copy
+        array and the scatter reads it directly (slicing a block-major array inside the jitted
+        call made XLA copy every layer's rows into fresh temporaries first: 12.9 ms instead of
+        1.6 ms for the 32 MiB scatter here).
+        """
+        raise NotImplementedError
+
+
+class _JaxkvView(PoolView):
+    def host_layers(self, part):
+        return None
+
+    def arrays(self, parts=None):
+        parts = self.layout.parts if parts is None else parts
+        return tuple(
+            tuple(self.pool.layer_buffer(p.attr, i) for i in range(self.layout.layer_num))
+            for p in parts
+        )
+
+    def write(self, slots, staging, block_size):
+        codecs = tuple(p.codec for p in self.layout.parts)
+        starts = block_starts(slots, block_size)
+        arrays = self.arrays()
+        staged = tuple(on_device(st, arrays[0][0]) for st in staging)
+        new = scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
+        jax.block_until_ready(new)  # the staging memory is reused once this returns
+        return self.pool.with_buffers(**{p.attr: bufs for p, bufs in zip(self.layout.parts, new)})
+
+
+class _ForeignView(PoolView):
+    """SGLang-shaped objects. Buffers jaxkv moves itself (host memory, torch tensors on an
+    accelerator) are written in place; jax buffers are replaced functionally (the object's
+    sequence is swapped for the new arrays, donated ones replaced in place on the device)."""
+
+    def _check_writable(self) -> list:
+        """Per part, its `host_layers` (None for jax parts), once every part and layer is known
+        to be writable: a load that cannot finish raises before it changes anything."""
+        name = type(self.pool).__name__
+        direct = []
+        for part in self.layout.parts:
+            layers = getattr(self.pool, part.attr)
+            host = self.host_layers(part)
+            direct.append(host)
+            if host is not None:
+                for li, buf in enumerate(host):
+                    problem = _foreign.writable_problem(buf, part.codec)
+                    if problem is not None:
+                        raise TypeError(
+                            f"{part.attr}[{li}]: cannot write into {problem} "
+                            f"({type(layers[li]).__name__}); pass writable, contiguous host "
+                            "arrays, torch tensors or jax arrays"
+                        )
+                continue
+            if not all(isinstance(b, jax.Array) for b in layers):
+                raise TypeError(
+                    f"{part.attr}: cannot write into {type(layers[0]).__name__} buffers on a "
+                    "device; pass jax arrays, torch tensors, or host arrays numpy can write"
+                )
+            try:  # the functional path swaps the sequence: the attribute must be settable
+                setattr(self.pool, part.attr, layers)
+            except AttributeError as err:
+                raise TypeError(
+                    f"{part.attr}: {name} does not let its jax buffers be replaced ({err})"
+                ) from err
+        return direct
+
+    def write(self, slots, staging, block_size):
+        direct = self._check_writable()
+        starts = block_starts(slots, block_size)
+        for part, st, host in zip(self.layout.parts, staging, direct):
+            layers = getattr(self.pool, part.attr)
+            if host is not None:
+                for li, buf in enumerate(host):
+                    rows = st.host[li] if st.host else to_host(st.device[li])
+                    _foreign.write_rows(buf, part.codec, slots, rows.reshape(-1, *rows.shape[2:]))
+                continue
+            staged = on_device(st, layers[0])
+            new = scatter_donated(
+                (tuple(layers),), slots.astype(np.int32), starts, (staged,), (part.codec,)
+            )[0]
+            jax.block_until_ready(new)
+            setattr(self.pool, part.attr, type(layers)(new) if isinstance(layers, list) else new)
+        return self.pool
+
+
+def view_of(pool) -> PoolView:
+    """Describes `pool`: a jaxkv pool, or any object with SGLang's buffer attributes."""
+    view = _JaxkvView if isinstance(pool, PoolBase) else _ForeignView
+    return view(pool, describe(pool))
