@@ -32,7 +32,11 @@ class TieredStore(BlockStore):
         TypeError: no store, or one that is not a `BlockStore`.
 
     Example:
-        >>> store = TieredStore(HostStore(1 << 26), DiskStore("/tmp/jaxkv-cache"))
+        >>> import tempfile
+        >>> from jaxkv.connector import DiskStore, HostStore
+        >>> store = TieredStore(HostStore(1 << 24), DiskStore(tempfile.mkdtemp()))
+        >>> [type(t).__name__ for t in store.tiers]
+        ['HostStore', 'DiskStore']
     """
 
     def __init__(self, *stores: BlockStore):
