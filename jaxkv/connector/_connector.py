@@ -28,7 +28,7 @@ from jaxkv.connector._layout import (
 )
 from jaxkv.connector._records import BlockRecord, Segment, is_block_of
 from jaxkv.connector._staging import StagingCache, pinned_device
-from jaxkv.connector.stores import BlockStore
+from jaxkv.connector.stores import BlockStore, FailureLog, is_size, strict_scope
 
 # A load sends a whole segment back to the device when it needs at least this share of its
 # bytes; for fewer blocks, copying them on the host into pinned staging moves less. On an H200,
@@ -60,11 +60,18 @@ class KVConnector:
         namespace: separates models (or deployments) sharing one store.
         shard: which shard of a model this pool holds, for per-rank pools of tensor-parallel
             deployments (e.g. "tp3of8"); jaxkv pools export full rows and keep "full".
-        max_pending: `store_async` calls whose writes may be in flight at once.
+        max_pending: `store_async` calls whose writes may be in flight at once (>= 1).
+        strict: raise I/O errors of the store (`OSError`, after counting them) from `lookup`,
+            `store`, `load`, and from `flush` and the futures of `store_async`. By default a
+            failed read is a miss (the loaded prefix ends there) and a failed write is a
+            dropped block, both counted in `stats()["io_errors"]` and logged on the `jaxkv`
+            logger: a cache that fails must not fail the request it was meant to speed up.
 
     Raises:
         UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes.
-        ValueError: a bad `block_size`.
+        ValueError: a bad `block_size` or `max_pending`.
+
+    After `close()`, `store`, `store_async` and `load` raise `RuntimeError`.
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class KVConnector:
         namespace: str = "default",
         shard: str = "full",
         max_pending: int = 8,
+        strict: bool = False,
     ):
         view = view_of(pool)
         page = view.layout.page_size
@@ -90,6 +98,10 @@ class KVConnector:
                 f"block_size: expected a positive multiple of the page size {page}, "
                 f"got {block_size!r}"
             )
+        if not is_size(max_pending) or max_pending < 1:
+            raise ValueError(f"max_pending: expected a positive int, got {max_pending!r}")
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict: expected a bool, got {type(strict).__name__}")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace: expected a str, got {type(namespace).__name__}")
         self.backend = store
@@ -102,11 +114,16 @@ class KVConnector:
         self._pending: dict[str, Future] = {}
         self._errors: list[BaseException] = []
         self._executor: ThreadPoolExecutor | None = None
-        self._room = threading.BoundedSemaphore(max_pending)
+        self._room = threading.BoundedSemaphore(int(max_pending))
+        self.strict = strict
+        self._closed = False
+        self._failures = FailureLog("KVConnector")
         self._counters = dict.fromkeys(
             (
                 "lookups",
-                "hit_blocks",
+                "lookup_hits",
+                "lookup_misses",
+                "loads",
                 "hits",
                 "misses",
                 "blocks_stored",
@@ -114,6 +131,8 @@ class KVConnector:
                 "bytes_stored",
                 "bytes_loaded",
                 "verification_failures",
+                "io_errors",
+                "async_failures",
             ),
             0,
         )
@@ -132,24 +151,41 @@ class KVConnector:
 
     def lookup(self, token_ids, *, salt: str | bytes | None = None) -> int:
         """Leading tokens (a multiple of `block_size`) whose blocks are all stored."""
-        held = self._held()
         digests = self._digests(token_ids, salt)[0]
+        held = self._held()
         n = 0
-        for digest in digests:
-            if not held(digest.hex()):
-                break
-            n += 1
+        with strict_scope(self.strict):
+            for digest in digests:
+                if not held(digest.hex()):
+                    break
+                n += 1
         self._count("lookups")
-        self._count("hit_blocks", n)
-        self._count("hits", n)
-        self._count("misses", len(digests) - n)
+        self._count("lookup_hits", n)
+        self._count("lookup_misses", len(digests) - n)
         return n * self.block_size
 
     def _held(self):
         """A test for "stored, or being written by `store_async`" (pending keys as of now)."""
         with self._lock:
             pending = set(self._pending)
-        return lambda key: key in pending or self.backend.contains(key)
+        return lambda key: key in pending or self._call("read", self.backend.contains, key, False)
+
+    def _call(self, kind: str, method, arg, failed):
+        """`method(arg)` on the store; an `OSError` it raises (a strict store, or a store that
+        reports failures by raising) is counted and logged, then raised when this connector
+        is strict, else answered with `failed` (a miss, a dropped write)."""
+        try:
+            return method(arg)
+        except OSError as err:
+            self._count("io_errors")
+            self._failures.note(kind, err)
+            if self.strict:
+                raise
+            return failed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KVConnector is closed: make a new one to store or load blocks")
 
     # ---- transfers ----------------------------------------------------------------------
 
@@ -223,17 +259,23 @@ class KVConnector:
 
     def _write(self, records: list[BlockRecord]) -> int:
         written = 0
-        for record in records:
-            if self.backend.put(record):
-                written += 1
-                self._count("bytes_stored", record.nbytes)
-        self._count("blocks_stored", written)
+        with strict_scope(self.strict):
+            for record in records:
+                if self._call("write", self.backend.put, record, False):
+                    written += 1
+                    # Counted per block: a later block raising leaves these counts exact.
+                    with self._lock:
+                        self._counters["blocks_stored"] += 1
+                        self._counters["bytes_stored"] += record.nbytes
         return written
 
     def store(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> int:
         """Stores the full blocks of `token_ids` not already stored; `slots[t]` is the pool row
-        of token `t`. Returns the number of blocks newly written."""
-        records, staging = self._snapshot(pool, token_ids, slots, salt)
+        of token `t`. Returns the number of blocks newly written (a block the store failed
+        to write is not counted; see `strict`)."""
+        self._check_open()
+        with strict_scope(self.strict):
+            records, staging = self._snapshot(pool, token_ids, slots, salt)
         try:
             return self._write(records)
         finally:
@@ -253,8 +295,13 @@ class KVConnector:
 
         Returns:
             A `concurrent.futures.Future` of the number of blocks newly written.
+
+        Raises:
+            RuntimeError: the connector is closed.
         """
-        records, staging = self._snapshot(pool, token_ids, slots, salt)
+        self._check_open()
+        with strict_scope(self.strict):
+            records, staging = self._snapshot(pool, token_ids, slots, salt)
         if not records:
             done: Future = Future()
             done.set_result(0)
@@ -262,6 +309,10 @@ class KVConnector:
         self._room.acquire()
         keys = [r.key for r in records]
         with self._lock:
+            if self._closed:  # closed while this call waited for room
+                self._room.release()
+                self._give_back(staging)
+                self._check_open()
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-store")
             future = self._executor.submit(self._background_write, records, keys, staging)
@@ -277,6 +328,7 @@ class KVConnector:
         except BaseException as err:
             with self._lock:
                 self._errors.append(err)
+                self._counters["async_failures"] += 1
             raise
         finally:
             with self._lock:
@@ -298,8 +350,10 @@ class KVConnector:
 
     def close(self) -> None:
         """Waits for pending writes (their errors stay on their futures) and stops the
-        background worker."""
+        background worker; later `store`, `store_async` and `load` calls raise `RuntimeError`
+        (`lookup`, `block_hashes`, `stats` and `flush` still answer)."""
         with self._lock:
+            self._closed = True
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
@@ -314,7 +368,9 @@ class KVConnector:
         with self._lock:
             future = self._pending.get(key)
         if future is not None:
-            future.result()
+            # Its outcome is not this load's: a failed write is only a miss here (the error
+            # stays on its future and is raised by `flush`).
+            wait([future])
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -329,21 +385,27 @@ class KVConnector:
 
         Returns:
             `(new_pool, n_loaded_tokens)`.
+
+        Raises:
+            RuntimeError: the connector is closed.
         """
+        self._check_open()
         view = self._view(pool)
         digests, data = self._digests(token_ids, salt)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
         bs = self.block_size
         records: list[BlockRecord] = []
-        for i, digest in enumerate(digests):
-            self._wait_pending(digest.hex())
-            record = self.backend.get(digest.hex())
-            if record is None:
-                break
-            if not self._valid(record, data[4 * i * bs : 4 * (i + 1) * bs]):
-                self._count("verification_failures")
-                break
-            records.append(record)
+        with strict_scope(self.strict):
+            for i, digest in enumerate(digests):
+                self._wait_pending(digest.hex())
+                record = self._call("read", self.backend.get, digest.hex(), None)
+                if record is None:
+                    break
+                if not self._valid(record, data[4 * i * bs : 4 * (i + 1) * bs]):
+                    self._count("verification_failures")
+                    break
+                records.append(record)
+        self._count("loads")
         self._count("hits", len(records))
         self._count("misses", len(digests) - len(records))
         if not records:
@@ -423,15 +485,28 @@ class KVConnector:
         return True
 
     def stats(self) -> dict:
-        """Counters of this connector: lookups; hits and misses (full blocks found or not by
-        `lookup` and `load`); blocks and bytes stored and loaded; verification failures (its
-        own record checks plus the store's); the store's evictions and I/O errors; blocks
-        still being written by `store_async`. The store's own counters are under `"store"`."""
+        """Counters of this connector, each with one meaning (blocks are full blocks):
+
+        - `lookups`: `lookup` calls; `lookup_hits`, `lookup_misses`: blocks a lookup found
+          stored (the prefix it reported), and the blocks after that prefix.
+        - `loads`: `load` calls; `hits`, `misses`: blocks a load copied into the pool, and
+          the blocks after that prefix (absent, damaged, or failing to read).
+        - `blocks_stored`, `bytes_stored`: blocks newly written by `store` and `store_async`
+          (bytes of their arrays); `blocks_loaded`, `bytes_loaded`: blocks copied by `load`
+          (`blocks_loaded == hits`).
+        - `verification_failures`: records that failed a check, this connector's own (key,
+          layout, token ids, shapes) plus the store's (checksum, torn files).
+        - `io_errors`: failed store operations, the store's count plus the `OSError`s the
+          store raised to this connector; each was a miss or a dropped write unless `strict`.
+        - `async_failures`: `store_async` writes whose future holds an error.
+        - `evictions`: the store's; `pending_blocks`: blocks `store_async` is still writing.
+
+        The store's own counters (see `BlockStore.stats`) are under `"store"`."""
         store = self.backend.stats()
         with self._lock:
             counters = dict(self._counters)
             pending = len(self._pending)
         counters["verification_failures"] += store.get("verification_failures", 0)
         counters["evictions"] = store.get("evictions", 0)
-        counters["io_errors"] = store.get("io_errors", 0)
+        counters["io_errors"] += store.get("io_errors", 0)
         return {**counters, "pending_blocks": pending, "store": store}
