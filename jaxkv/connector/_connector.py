@@ -171,15 +171,16 @@ class KVConnector:
         return lambda key: key in pending or self._call("read", self.backend.contains, key, False)
 
     def _call(self, kind: str, method, arg, failed):
-        """`method(arg)` on the store; an `OSError` it raises (a strict store, or a store that
-        reports failures by raising) is counted and logged, then raised when this connector
-        is strict, else answered with `failed` (a miss, a dropped write)."""
+        """`method(arg)` on the store; an `OSError` it raises is counted and logged (unless
+        the store did both already), then raised when this connector or the store is strict,
+        else answered with `failed` (a miss, a dropped write)."""
         try:
             return method(arg)
         except OSError as err:
-            self._count("io_errors")
-            self._failures.note(kind, err)
-            if self.strict:
+            if not getattr(err, "jaxkv_counted", False):
+                self._count("io_errors")
+                self._failures.note(kind, err)
+            if self.strict or getattr(self.backend, "strict", False):
                 raise
             return failed
 

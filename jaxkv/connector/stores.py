@@ -98,6 +98,7 @@ class BlockStore(abc.ABC):
         self._count("io_errors")
         self._failures.note(kind, err)
         if self.strict or _STRICT.get():
+            err.jaxkv_counted = True  # so that the connector does not count it again
             raise err
 
     def stats(self) -> dict[str, int]:
