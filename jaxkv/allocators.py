@@ -41,11 +41,19 @@ def _index(name: str, value) -> int:
     return int(value)
 
 
+def _as_array(name: str, x) -> np.ndarray:
+    """`np.asarray(x)`, with numpy's complaints about ragged or odd input naming `name`."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as err:
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {err}") from None
+
+
 def _int_vector(name: str, x) -> np.ndarray:
     """`x` as a 1-D int64 vector (a scalar is one element). Refuses what would change meaning
     on the way: floats, bools, arrays of two or more dimensions, and values past int64 (a
     uint64 above 2**63 - 1 would wrap to a negative)."""
-    arr = np.asarray(x)
+    arr = _as_array(name, x)
     if arr.ndim > 1:
         raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape {arr.shape}")
     if arr.size == 0:
@@ -311,10 +319,8 @@ class ReqToTokenPool:
     def free(self, free_index) -> None:
         """Returns a row (int) or rows (iterable) to the free list; rows already free are
         ignored, so a double free never hands one row to two requests."""
-        if isinstance(free_index, bool):
-            raise TypeError("free_index: expected a row or rows (ints), got bool")
-        if not isinstance(free_index, (int, np.integer)):
-            free_index = list(free_index)
+        if hasattr(free_index, "__iter__") and not isinstance(free_index, np.ndarray):
+            free_index = list(free_index)  # sets, generators: any iterable of rows
         rows = [int(r) for r in _int_vector("free_index", free_index)]
         for r in rows:
             if not 1 <= r <= self.size:

@@ -202,7 +202,10 @@ class KVConnector:
         return view
 
     def _slots(self, slots, n: int, rows: int, arg: str = "slots") -> np.ndarray:
-        arr = np.asarray(slots)
+        try:
+            arr = np.asarray(slots)
+        except (ValueError, TypeError) as err:  # ragged nesting and the like
+            raise TypeError(f"{arg}: expected a 1-D sequence of ints, got {err}") from None
         if arr.ndim != 1 or arr.shape[0] != n:
             raise ValueError(f"{arg}: expected shape ({n},), got {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":

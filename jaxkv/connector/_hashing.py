@@ -21,7 +21,10 @@ _DOMAIN = b"jaxkv-block-v1"
 
 def token_bytes(token_ids) -> bytes:
     """Token ids as 4-byte little-endian words; rejects ids that do not fit."""
-    arr = np.asarray(token_ids)
+    try:
+        arr = np.asarray(token_ids)
+    except (ValueError, TypeError) as err:  # ragged nesting and the like
+        raise TypeError(f"token_ids: expected a 1-D sequence of ints, got {err}") from None
     if arr.ndim != 1:
         raise ValueError(f"token_ids: expected shape (n,), got {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
