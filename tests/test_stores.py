@@ -510,8 +510,12 @@ def test_disk_store_cleans_stale_temporary_files_on_open_and_keeps_live_writers(
     conn.store(src, _seq(0), np.arange(1, 17))
     key = conn.block_hashes(_seq(0))[0]
     final = _record_path(tmp_path, key)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead_pid = int(dead.stdout)
     other = os.path.join(tmp_path, "ab", "f" * 64 + ".kvb")
     stale = [
