@@ -10,15 +10,17 @@ reading a random record of `[0, 2 * COUNT)` after each write and checking that i
 absent or exactly the record written; prints "ready" once the store is open and a JSON line
 of the store's counters (and `bad`, the wrong reads) at the end.
 
-    python tests/_disk_worker.py --fork FOLDER CAPACITY FIRST COUNT NBYTES
+    python tests/_disk_worker.py --fork FOLDER FIRST COUNT NBYTES
 
-serves many short-lived writers cheaply: on each "spawn" line read from stdin it forks a child
-that prints "ready PID" and writes forever (until the test kills it); on "reap PID" it waits
-for that child, so that its pid is free and its temporary files count as stale.
+serves many short-lived writers cheaply: on each "spawn CAPACITY" line read from stdin it forks
+a child that opens the store with that capacity (0: none), prints "ready PID" and writes from a
+random record on, forever (until the test kills it); on "reap PID" it waits for that child, so
+that its pid is free and its temporary files count as stale.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -43,6 +45,7 @@ def key(i: int) -> str:
     return hashlib.sha256(f"block-{i}".encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=None)  # made once: a writer's time goes to writing
 def record(i: int, nbytes: int) -> BlockRecord:
     """Record number `i`: its key, layout, token fingerprint and bytes all derive from `i`."""
     data = np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8).reshape(2, -1)
@@ -75,15 +78,15 @@ def main(folder: str, capacity: int, first: int, count: int, nbytes: int, puts: 
     print(json.dumps({**store.stats(), "bad": bad}), flush=True)
 
 
-def forker(folder: str, capacity: int, first: int, count: int, nbytes: int) -> None:
+def forker(folder: str, first: int, count: int, nbytes: int) -> None:
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "spawn":
             if os.fork() == 0:  # the child: a fresh writer, killed by the test
                 try:
-                    store = DiskStore(folder, capacity_bytes=capacity or None)
+                    store = DiskStore(folder, capacity_bytes=int(cmd[1]) or None)
                     print(f"ready {os.getpid()}", flush=True)
-                    n = 0
+                    n = int(np.random.default_rng().integers(count))  # not always 0, 1, ...
                     while True:
                         store.put(record(first + n % count, nbytes))
                         n += 1

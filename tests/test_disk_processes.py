@@ -50,32 +50,33 @@ def _kvb_bytes(folder) -> int:
 
 
 def test_a_writer_killed_at_random_moments_leaves_whole_records_or_none(tmp_path):
-    folder, count, nbytes, kills = tmp_path / "blocks", 48, 128 << 10, 24
+    folder, count, nbytes, kills = tmp_path / "blocks", 256, 64 << 10, 24
     rng = np.random.default_rng(0)
     torn = 0
     # One process imports numpy once and forks each writer: a kill costs a fork, not a start.
     forker = subprocess.Popen(
-        [sys.executable, WORKER, "--fork", str(folder), str(4 << 20), "0", str(count), str(nbytes)],
+        [sys.executable, WORKER, "--fork", str(folder), "0", str(count), str(nbytes)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
-        for _ in range(kills):
-            forker.stdin.write("spawn\n")
+        for k in range(kills):
+            # Every other writer has a capacity, so kills also land in rescans and evictions.
+            forker.stdin.write(f"spawn {(2 << 20) * (k % 2)}\n")
             forker.stdin.flush()
             word, pid = forker.stdout.readline().split()
             assert word == "ready"
-            time.sleep(rng.uniform(0.0, 0.05))  # mid-write, mid-rename or mid-eviction
+            time.sleep(rng.uniform(0.0, 0.05))
             os.kill(int(pid), signal.SIGKILL)
             forker.stdin.write(f"reap {pid}\n")
             forker.stdin.flush()
             assert forker.stdout.readline().strip() == "reaped"
-            torn += len(_files(folder, ".tmp"))  # left by this kill, or kept from the last
+            torn += len(_files(folder, ".tmp"))  # left by this kill (the next open removes it)
     finally:
         forker.stdin.close()
         forker.wait(timeout=30)
-    store = DiskStore(folder, capacity_bytes=4 << 20)
+    store = DiskStore(folder)
     assert not _files(folder, ".tmp")  # every writer is dead: their temporary files go
     served = 0
     for i in range(count):

@@ -255,6 +255,7 @@ def test_fuzz_connector(fuzz_conn, method, tokens, slots, salt):
         assert (after["blocks"], after["blocks_stored"]) == (kept["blocks"], kept["blocks_stored"])
         np.testing.assert_array_equal(np.array(src.k_buffer[0]), before)
         return
+    assert salt is None or isinstance(salt, (str, bytes)), f"salt {salt!r} was taken"
     n_blocks = len(np.asarray(tokens)) // BS
     if method == "block_hashes":
         assert len(out) == n_blocks and all(re.fullmatch("[0-9a-f]{64}", h) for h in out)
