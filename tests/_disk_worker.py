@@ -13,8 +13,8 @@ of the store's counters (and `bad`, the wrong reads) at the end.
     python tests/_disk_worker.py --fork FOLDER FIRST COUNT NBYTES
 
 serves many short-lived writers cheaply: on each "spawn CAPACITY" line read from stdin it forks
-a child that opens the store with that capacity (0: none), prints "ready PID" and writes from a
-random record on, forever (until the test kills it); on "reap PID" it waits for that child, so
+a child that opens the store with that capacity (0: none), writes one record (from a random
+one on), prints "ready PID" and writes on forever (until the test kills it); on "reap PID" it waits for that child, so
 that its pid is free and its temporary files count as stale.
 """
 
@@ -85,11 +85,14 @@ def forker(folder: str, first: int, count: int, nbytes: int) -> None:
             if os.fork() == 0:  # the child: a fresh writer, killed by the test
                 try:
                     store = DiskStore(folder, capacity_bytes=int(cmd[1]) or None)
-                    print(f"ready {os.getpid()}", flush=True)
                     n = int(np.random.default_rng().integers(count))  # not always 0, 1, ...
+                    store.put(record(first + n % count, nbytes))
+                    # Ready once it has written: on a busy machine a writer killed a few
+                    # milliseconds after its start might not have reached a write at all.
+                    print(f"ready {os.getpid()}", flush=True)
                     while True:
-                        store.put(record(first + n % count, nbytes))
                         n += 1
+                        store.put(record(first + n % count, nbytes))
                 finally:
                     os._exit(1)
         elif cmd[0] == "reap":

@@ -35,15 +35,16 @@ def _spawn(folder, capacity, first, count, nbytes, puts) -> subprocess.Popen:
     )
 
 
-def _files(folder, suffix: str) -> list[Path]:
-    return [p for p in Path(folder).rglob(f"*{suffix}")]
+def _files(folder, suffix: str) -> list[str]:
+    # os.walk, not Path.rglob: the writers remove files and folders while it lists them.
+    return [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(suffix)]
 
 
 def _kvb_bytes(folder) -> int:
     total = 0
     for p in _files(folder, ".kvb"):
         try:
-            total += p.stat().st_size
+            total += os.path.getsize(p)
         except FileNotFoundError:
             pass  # evicted while listing
     return total
