@@ -14,8 +14,8 @@ of the store's counters (and `bad`, the wrong reads) at the end.
 
 serves many short-lived writers cheaply: on each "spawn CAPACITY" line read from stdin it forks
 a child that opens the store with that capacity (0: none), writes one record (from a random
-one on), prints "ready PID" and writes on forever (until the test kills it); on "reap PID" it waits for that child, so
-that its pid is free and its temporary files count as stale.
+one on), prints "ready PID" and writes on forever (until the test kills it); on "reap PID" it
+waits for that child, so that its pid is free and its temporary files count as stale.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def key(i: int) -> str:
     return hashlib.sha256(f"block-{i}".encode()).hexdigest()
 
 
-@functools.lru_cache(maxsize=None)  # made once: a writer's time goes to writing
+@functools.cache  # made once: a writer's time goes to writing
 def record(i: int, nbytes: int) -> BlockRecord:
     """Record number `i`: its key, layout, token fingerprint and bytes all derive from `i`."""
     data = np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8).reshape(2, -1)
