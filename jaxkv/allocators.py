@@ -19,17 +19,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._checks import int_arg
+from jaxkv._checks import int_arg, is_int
 
 __all__ = ["TokenAllocator", "PagedAllocator", "ReqToTokenPool"]
 
 
+def _index(name: str, value) -> int:
+    """A Python or numpy integer (not a bool, float or array) as an int."""
+    if not is_int(value):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r:.40}")
+    return int(value)
+
+
+def _as_array(name: str, x) -> np.ndarray:
+    """`np.asarray(x)`, with numpy's complaints about ragged or odd input naming `name`."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as err:
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {err}") from None
+
+
 def _int_vector(name: str, x) -> np.ndarray:
-    arr = np.asarray(x)
+    """`x` as a 1-D int64 vector (a scalar is one element). Refuses what would change meaning
+    on the way: floats, bools, arrays of two or more dimensions, and values past int64 (a
+    uint64 above 2**63 - 1 would wrap to a negative)."""
+    arr = _as_array(name, x)
+    if arr.ndim > 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, np.int64)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: expected values below 2**63, got {arr.max()}")
     return arr.reshape(-1).astype(np.int64)
 
 
@@ -43,6 +65,14 @@ class _PageFreeList:
     def __init__(self, size: int, page_size: int):
         self.size = int_arg("size", size)
         self.page_size = int_arg("page_size", page_size)
+        if self.size % self.page_size:
+            # A tail of fewer than page_size slots can never be handed out: say so rather
+            # than hold fewer tokens than asked for.
+            raise ValueError(
+                f"size: expected a multiple of page_size={self.page_size}, got size={self.size} "
+                f"(use {self.size // self.page_size * self.page_size} or "
+                f"{-(-self.size // self.page_size) * self.page_size})"
+            )
         self.num_pages = self.size // self.page_size
         self.clear()
 
@@ -193,15 +223,22 @@ class PagedAllocator(_PageFreeList):
         # A request's token i sits at page offset i % page_size, so the slot after last_loc
         # must continue that pattern inside a real page; anything else would hand out a slot
         # of a page the request does not hold.
+        end = (self.num_pages + 1) * self.page_size  # one past the last slot of the pool
         bad = used & (
-            (last < self.page_size) | ((last + 1) % self.page_size != prefix % self.page_size)
+            (last < self.page_size)
+            | (last >= end)
+            | ((last + 1) % self.page_size != prefix % self.page_size)
         )
         if np.any(bad):
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"last_loc: expected the slot of request {i}'s last prefix token (page offset "
-                f"{(prefix[i] - 1) % self.page_size}, not page 0), got last_loc[{i}]={last[i]}"
+                f"{(prefix[i] - 1) % self.page_size}, in pages 1..{self.num_pages}), got "
+                f"last_loc[{i}]={last[i]}"
             )
+
+
+_INT32 = np.iinfo(np.int32)
 
 
 def _bucket(n: int) -> int:
@@ -272,9 +309,11 @@ class ReqToTokenPool:
     def free(self, free_index) -> None:
         """Returns a row (int) or rows (iterable) to the free list; rows already free are
         ignored, so a double free never hands one row to two requests."""
-        rows = [free_index] if isinstance(free_index, (int, np.integer)) else list(free_index)
+        if hasattr(free_index, "__iter__") and not isinstance(free_index, np.ndarray):
+            free_index = list(free_index)  # sets, generators: any iterable of rows
+        rows = [int(r) for r in _int_vector("free_index", free_index)]
         for r in rows:
-            if not 1 <= int(r) <= self.size:
+            if not 1 <= r <= self.size:
                 raise IndexError(
                     f"free_index: expected rows in [1, {self.size}] (row 0 is the padding row), "
                     f"got {r}"
@@ -282,9 +321,9 @@ class ReqToTokenPool:
         free = self._rows.free_slots
         listed = set(free)
         for r in rows:
-            if int(r) not in listed:
-                free.append(int(r))
-                listed.add(int(r))
+            if r not in listed:
+                free.append(r)
+                listed.add(r)
 
     def clear(self) -> None:
         self._rows.clear()
@@ -297,6 +336,13 @@ class ReqToTokenPool:
         cost of a full copy.
         """
         slots = _int_vector("slots", slots)
+        row, start = _index("row", row), _index("start", start)
+        if slots.size and (slots.min() < _INT32.min or slots.max() > _INT32.max):
+            # The table is int32: a larger slot would wrap onto another token's row.
+            raise ValueError(
+                f"slots: expected values in [{_INT32.min}, {_INT32.max}] (int32), got "
+                f"[{slots.min()}, {slots.max()}]"
+            )
         if not 0 <= row <= self.size:
             raise IndexError(f"row: expected a row in [0, {self.size}], got {row}")
         if start < 0 or start + slots.size > self.max_context_len:

@@ -121,7 +121,7 @@ def test_flush_waits_for_every_pending_write_and_max_pending_bounds_the_queue():
 
 def test_a_failing_write_reaches_the_future_and_clears_the_pending_blocks():
     pool = _pool()
-    conn = KVConnector(pool, FailingStore(1 << 22))
+    conn = KVConnector(pool, FailingStore(1 << 22), strict=True)
     future = conn.store_async(pool, TOKENS, SLOTS)
     with pytest.raises(OSError, match="disk gone"):
         future.result(timeout=30)
@@ -133,7 +133,7 @@ def test_a_failing_write_reaches_the_future_and_clears_the_pending_blocks():
 def test_flush_raises_a_pending_write_error():
     pool = _pool()
     store = FailingStore(1 << 22)
-    conn = KVConnector(pool, store)
+    conn = KVConnector(pool, store, strict=True)
     conn.store_async(pool, TOKENS, SLOTS)
     with pytest.raises(OSError, match="disk gone"):
         conn.flush()

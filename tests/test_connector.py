@@ -768,7 +768,8 @@ def test_connector_stats(mha):
     block_bytes = 2 * 16 * 2 * (4 + 3) * 2  # layers * tokens * heads * (k + v dims) * 2 bytes
     assert st["blocks_stored"] == 3 and st["bytes_stored"] == 3 * block_bytes
     assert st["blocks_loaded"] == 3 and st["bytes_loaded"] == 3 * block_bytes
-    assert st["lookups"] == 1 and st["hit_blocks"] == 3
+    assert st["lookups"] == 1 and st["lookup_hits"] == 3 and st["lookup_misses"] == 1
+    assert st["loads"] == 1 and st["hits"] == 3 == st["blocks_loaded"] and st["misses"] == 1
     assert st["verification_failures"] == 0
     assert st["store"] == store.stats()
 
@@ -937,7 +938,8 @@ def test_connector_stats_count_block_hits_misses_and_the_stores_failures(tmp_pat
     assert conn.store(pool, tokens[:32], np.arange(1, 33)) == 2
     assert conn.lookup(tokens) == 32  # 2 of 4 full blocks
     st = conn.stats()
-    assert (st["hits"], st["misses"]) == (2, 2)
+    assert (st["lookup_hits"], st["lookup_misses"]) == (2, 2)
+    assert (st["hits"], st["misses"], st["loads"]) == (0, 0, 0)  # lookups are not loads
     # Damage the second stored block on disk: the load stops after the first one.
     second = conn.block_hashes(tokens)[1]
     path = tmp_path / "blocks" / second[:2] / f"{second}.kvb"
@@ -948,7 +950,8 @@ def test_connector_stats_count_block_hits_misses_and_the_stores_failures(tmp_pat
     dst, n = conn.load(dst, tokens, np.arange(40, 104))
     assert n == 16
     st = conn.stats()
-    assert (st["hits"], st["misses"]) == (3, 5)
+    assert (st["hits"], st["misses"], st["loads"]) == (1, 3, 1)
+    assert (st["lookup_hits"], st["lookup_misses"], st["lookups"]) == (2, 2, 1)
     assert st["verification_failures"] == 1 == st["store"]["verification_failures"]
     assert st["evictions"] == st["store"]["evictions"] == 0
     assert st["io_errors"] == 0 and st["pending_blocks"] == 0

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -503,22 +504,36 @@ def test_disk_store_failed_write_leaves_nothing(tmp_path, monkeypatch):
     assert conn.store(src, _seq(0), np.arange(1, 17)) == 1  # works again once the disk does
 
 
-def test_disk_store_cleans_stale_temporary_files_on_open(tmp_path):
+def test_disk_store_cleans_stale_temporary_files_on_open_and_keeps_live_writers(tmp_path):
     src = _pool()
     conn = KVConnector(src, DiskStore(tmp_path))
     conn.store(src, _seq(0), np.arange(1, 17))
     key = conn.block_hashes(_seq(0))[0]
     final = _record_path(tmp_path, key)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(dead.stdout)
+    other = os.path.join(tmp_path, "ab", "f" * 64 + ".kvb")
     stale = [
-        final + ".1234.5678.deadbeef.tmp",  # a writer died before its rename
-        os.path.join(tmp_path, "ab", "f" * 64 + ".kvb.99.1.cafe0000.tmp"),
+        f"{final}.{disk_module._HOST}-{dead_pid}.deadbeef.tmp",  # its writer died before the rename
+        other + ".99.1.cafe0000.tmp",  # unknown owner, older than the stale age
     ]
-    os.makedirs(os.path.dirname(stale[1]), exist_ok=True)
-    for path in stale:
+    live = [
+        f"{final}.{disk_module._HOST}-{os.getppid()}.0123abcd.tmp",  # a live process is writing it
+        f"{other}.00000000-{dead_pid}.0123abcd.tmp",  # another machine's writer: too young
+    ]
+    os.makedirs(os.path.dirname(other), exist_ok=True)
+    for path in stale + live:
         with open(path, "wb") as f:
             f.write(b"half a record")
+    old = time.time() - disk_module.STALE_TMP_SECONDS - 60
+    os.utime(stale[1], (old, old))
     store = DiskStore(tmp_path)
-    assert not any(os.path.exists(p) for p in stale)
+    assert [os.path.exists(p) for p in stale + live] == [False, False, True, True]
     assert os.path.exists(final) and len(store) == 1
 
 

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
-from jaxkv._checks import is_int
+from jaxkv._checks import int_arg, is_int
 from jaxkv.connector import _hashing
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord, Segment, is_block_of
@@ -35,7 +35,7 @@ from jaxkv.connector._transfers import (
     segment_staging,
     stage_blocks,
 )
-from jaxkv.connector.stores import BlockStore
+from jaxkv.connector.stores import BlockStore, FailureLog, strict_scope
 
 # A load sends a whole segment back to the device when it needs at least this share of its
 # bytes; for fewer blocks, copying them on the host into pinned staging moves less. On an H200,
@@ -67,11 +67,18 @@ class KVConnector:
         namespace: separates models (or deployments) sharing one store.
         shard: which shard of a model this pool holds, for per-rank pools of tensor-parallel
             deployments (e.g. "tp3of8"); jaxkv pools export full rows and keep "full".
-        max_pending: `store_async` calls whose writes may be in flight at once.
+        max_pending: `store_async` calls whose writes may be in flight at once (>= 1).
+        strict: raise I/O errors of the store (`OSError`, after counting them) from `lookup`,
+            `store`, `load`, and from `flush` and the futures of `store_async`. By default a
+            failed read is a miss (the loaded prefix ends there) and a failed write is a
+            dropped block, both counted in `stats()["io_errors"]` and logged on the `jaxkv`
+            logger: a cache that fails must not fail the request it was meant to speed up.
 
     Raises:
         UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes.
-        ValueError: a bad `block_size`.
+        ValueError: a bad `block_size` or `max_pending`.
+
+    After `close()`, `store`, `store_async` and `load` raise `RuntimeError`.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class KVConnector:
         namespace: str = "default",
         shard: str = "full",
         max_pending: int = 8,
+        strict: bool = False,
     ):
         view = view_of(pool)
         page = view.layout.page_size
@@ -93,6 +101,9 @@ class KVConnector:
                 f"block_size: expected a positive multiple of the page size {page}, "
                 f"got {block_size!r}"
             )
+        int_arg("max_pending", max_pending)
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict: expected a bool, got {type(strict).__name__}")
         if not isinstance(namespace, str):
             raise TypeError(f"namespace: expected a str, got {type(namespace).__name__}")
         self.backend = store
@@ -105,11 +116,16 @@ class KVConnector:
         self._pending: dict[str, Future] = {}
         self._errors: list[BaseException] = []
         self._executor: ThreadPoolExecutor | None = None
-        self._room = threading.BoundedSemaphore(max_pending)
+        self._room = threading.BoundedSemaphore(int(max_pending))
+        self.strict = strict
+        self._closed = False
+        self._failures = FailureLog("KVConnector")
         self._counters = dict.fromkeys(
             (
                 "lookups",
-                "hit_blocks",
+                "lookup_hits",
+                "lookup_misses",
+                "loads",
                 "hits",
                 "misses",
                 "blocks_stored",
@@ -117,6 +133,8 @@ class KVConnector:
                 "bytes_stored",
                 "bytes_loaded",
                 "verification_failures",
+                "io_errors",
+                "async_failures",
             ),
             0,
         )
@@ -136,12 +154,12 @@ class KVConnector:
     def lookup(self, token_ids, *, salt: str | bytes | None = None) -> int:
         """Leading tokens (a multiple of `block_size`) whose blocks are all stored."""
         digests = self._digests(token_ids, salt)[0]
-        held = self._held([d.hex() for d in digests], stop_at_miss=True)
+        with strict_scope(self.strict):
+            held = self._held([d.hex() for d in digests], stop_at_miss=True)
         n = held.index(False) if False in held else len(held)
         self._count("lookups")
-        self._count("hit_blocks", n)
-        self._count("hits", n)
-        self._count("misses", len(digests) - n)
+        self._count("lookup_hits", n)
+        self._count("lookup_misses", len(digests) - n)
         return n * self.block_size
 
     def _held(self, keys: list[str], *, stop_at_miss: bool = False) -> list[bool]:
@@ -150,16 +168,38 @@ class KVConnector:
         with self._lock:
             pending = set(self._pending)
         asked = iter(
-            self.backend.contains_many(
-                [k for k in keys if k not in pending], stop_at_miss=stop_at_miss
+            self._call(
+                "read",
+                lambda ks: self.backend.contains_many(ks, stop_at_miss=stop_at_miss),
+                [k for k in keys if k not in pending],
+                None,
             )
+            or ()
         )
         held = []
         for key in keys:
-            held.append(key in pending or next(asked))
+            held.append(key in pending or next(asked, False))
             if stop_at_miss and not held[-1]:
                 return held + [False] * (len(keys) - len(held))
         return held
+
+    def _call(self, kind: str, method, arg, failed):
+        """`method(arg)` on the store; an `OSError` it raises is counted and logged (unless
+        the store did both already), then raised when this connector or the store is strict,
+        else answered with `failed` (a miss, a dropped write)."""
+        try:
+            return method(arg)
+        except OSError as err:
+            if not getattr(err, "jaxkv_counted", False):
+                self._count("io_errors")
+                self._failures.note(kind, err)
+            if self.strict or getattr(self.backend, "strict", False):
+                raise
+            return failed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KVConnector is closed: make a new one to store or load blocks")
 
     # ---- transfers ----------------------------------------------------------------------
 
@@ -175,7 +215,10 @@ class KVConnector:
         return view
 
     def _slots(self, slots, n: int, rows: int, arg: str = "slots") -> np.ndarray:
-        arr = np.asarray(slots)
+        try:
+            arr = np.asarray(slots)
+        except (ValueError, TypeError) as err:  # ragged nesting and the like
+            raise TypeError(f"{arg}: expected a 1-D sequence of ints, got {err}") from None
         if arr.ndim != 1 or arr.shape[0] != n:
             raise ValueError(f"{arg}: expected shape ({n},), got {arr.shape}")
         if arr.size and arr.dtype.kind not in "iu":
@@ -205,7 +248,8 @@ class KVConnector:
         view = self._view(pool)
         digests, data = self._digests(token_ids, salt)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
-        held = self._held([d.hex() for d in digests])
+        with strict_scope(self.strict):
+            held = self._held([d.hex() for d in digests])
         missing = [i for i, h in enumerate(held) if not h]
         if not missing:
             return [], []
@@ -233,17 +277,35 @@ class KVConnector:
 
     def _write(self, records: list[BlockRecord]) -> int:
         written = 0
-        for record, new in zip(records, self.backend.put_many(records)):
-            if new:
-                written += 1
-                self._count("bytes_stored", record.nbytes)
-        self._count("blocks_stored", written)
+        results: list[bool] = []
+
+        def put_many(batch):
+            try:
+                results.extend(self.backend.put_many(batch))
+            except Exception as err:
+                # The records that landed before the error are counted (strict runs raise).
+                results.extend(getattr(err, "jaxkv_written", ()))
+                raise
+
+        try:
+            with strict_scope(self.strict):
+                self._call("write", put_many, records, None)
+        finally:
+            for record, new in zip(records, results):
+                if new:
+                    written += 1
+                    with self._lock:
+                        self._counters["blocks_stored"] += 1
+                        self._counters["bytes_stored"] += record.nbytes
         return written
 
     def store(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> int:
         """Stores the full blocks of `token_ids` not already stored; `slots[t]` is the pool row
-        of token `t`. Returns the number of blocks newly written."""
-        records, staging = self._snapshot(pool, token_ids, slots, salt)
+        of token `t`. Returns the number of blocks newly written (a block the store failed
+        to write is not counted; see `strict`)."""
+        self._check_open()
+        with strict_scope(self.strict):
+            records, staging = self._snapshot(pool, token_ids, slots, salt)
         try:
             return self._write(records)
         finally:
@@ -263,8 +325,13 @@ class KVConnector:
 
         Returns:
             A `concurrent.futures.Future` of the number of blocks newly written.
+
+        Raises:
+            RuntimeError: the connector is closed.
         """
-        records, staging = self._snapshot(pool, token_ids, slots, salt)
+        self._check_open()
+        with strict_scope(self.strict):
+            records, staging = self._snapshot(pool, token_ids, slots, salt)
         if not records:
             done: Future = Future()
             done.set_result(0)
@@ -272,6 +339,10 @@ class KVConnector:
         self._room.acquire()
         keys = [r.key for r in records]
         with self._lock:
+            if self._closed:  # closed while this call waited for room
+                self._room.release()
+                self._give_back(staging)
+                self._check_open()
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-store")
             future = self._executor.submit(self._background_write, records, keys, staging)
@@ -287,6 +358,7 @@ class KVConnector:
         except BaseException as err:
             with self._lock:
                 self._errors.append(err)
+                self._counters["async_failures"] += 1
             raise
         finally:
             with self._lock:
@@ -308,8 +380,10 @@ class KVConnector:
 
     def close(self) -> None:
         """Waits for pending writes (their errors stay on their futures) and stops the
-        background worker."""
+        background worker; later `store`, `store_async` and `load` calls raise `RuntimeError`
+        (`lookup`, `block_hashes`, `stats` and `flush` still answer)."""
         with self._lock:
+            self._closed = True
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
@@ -323,8 +397,9 @@ class KVConnector:
     def _wait_pending(self, keys: list[str]) -> None:
         with self._lock:
             futures = {id(f): f for f in map(self._pending.get, keys) if f is not None}
-        for future in futures.values():
-            future.result()
+        # Their outcomes are not this load's: a failed write is only a miss here (the error
+        # stays on its future and is raised by `flush`).
+        wait(list(futures.values()))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -339,7 +414,11 @@ class KVConnector:
 
         Returns:
             `(new_pool, n_loaded_tokens)`.
+
+        Raises:
+            RuntimeError: the connector is closed.
         """
+        self._check_open()
         view = self._view(pool)
         digests, data = self._digests(token_ids, salt)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
@@ -347,13 +426,18 @@ class KVConnector:
         keys = [d.hex() for d in digests]
         self._wait_pending(keys)
         records: list[BlockRecord] = []
-        for i, record in enumerate(self.backend.get_many(keys, stop_at_miss=True)):
+        with strict_scope(self.strict):
+            got = self._call(
+                "read", lambda ks: self.backend.get_many(ks, stop_at_miss=True), keys, None
+            )
+        for i, record in enumerate(got or ()):
             if record is None:
                 break
             if not self._valid(record, data[4 * i * bs : 4 * (i + 1) * bs]):
                 self._count("verification_failures")
                 break
             records.append(record)
+        self._count("loads")
         self._count("hits", len(records))
         self._count("misses", len(digests) - len(records))
         if not records:
@@ -433,15 +517,28 @@ class KVConnector:
         return True
 
     def stats(self) -> dict:
-        """Counters of this connector: lookups; hits and misses (full blocks found or not by
-        `lookup` and `load`); blocks and bytes stored and loaded; verification failures (its
-        own record checks plus the store's); the store's evictions and I/O errors; blocks
-        still being written by `store_async`. The store's own counters are under `"store"`."""
+        """Counters of this connector, each with one meaning (blocks are full blocks):
+
+        - `lookups`: `lookup` calls; `lookup_hits`, `lookup_misses`: blocks a lookup found
+          stored (the prefix it reported), and the blocks after that prefix.
+        - `loads`: `load` calls; `hits`, `misses`: blocks a load copied into the pool, and
+          the blocks after that prefix (absent, damaged, or failing to read).
+        - `blocks_stored`, `bytes_stored`: blocks newly written by `store` and `store_async`
+          (bytes of their arrays); `blocks_loaded`, `bytes_loaded`: blocks copied by `load`
+          (`blocks_loaded == hits`).
+        - `verification_failures`: records that failed a check, this connector's own (key,
+          layout, token ids, shapes) plus the store's (checksum, torn files).
+        - `io_errors`: failed store operations, the store's count plus the `OSError`s the
+          store raised to this connector; each was a miss or a dropped write unless `strict`.
+        - `async_failures`: `store_async` writes whose future holds an error.
+        - `evictions`: the store's; `pending_blocks`: blocks `store_async` is still writing.
+
+        The store's own counters (see `BlockStore.stats`) are under `"store"`."""
         store = self.backend.stats()
         with self._lock:
             counters = dict(self._counters)
             pending = len(self._pending)
         counters["verification_failures"] += store.get("verification_failures", 0)
         counters["evictions"] = store.get("evictions", 0)
-        counters["io_errors"] = store.get("io_errors", 0)
+        counters["io_errors"] += store.get("io_errors", 0)
         return {**counters, "pending_blocks": pending, "store": store}

@@ -4,6 +4,9 @@
 `h_i = SHA256(h_{i-1} | tokens of block i as 4-byte little-endian)`: block i's key covers every
 token up to its end, and the root keeps models, layouts and tenants apart (a tenant salt stops
 one tenant from probing another's prefixes through cache timing, vLLM's CVE-2025-46570).
+A salt is a `str` (hashed as its UTF-8 bytes, so `"t"` and `b"t"` name the same tenant), `bytes`,
+or `None` (no salt, distinct from every salt, the empty one included); anything else is refused,
+so that no two different values (say `0`, `False` and `""`) can fall onto one tenant's keys.
 Python's `hash()` is salted per process and is never used.
 """
 
@@ -18,7 +21,10 @@ _DOMAIN = b"jaxkv-block-v1"
 
 def token_bytes(token_ids) -> bytes:
     """Token ids as 4-byte little-endian words; rejects ids that do not fit."""
-    arr = np.asarray(token_ids)
+    try:
+        arr = np.asarray(token_ids)
+    except (ValueError, TypeError) as err:  # ragged nesting and the like
+        raise TypeError(f"token_ids: expected a 1-D sequence of ints, got {err}") from None
     if arr.ndim != 1:
         raise ValueError(f"token_ids: expected shape (n,), got {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
@@ -36,10 +42,22 @@ def root_hash(namespace: str, layout_fingerprint: str, salt: str | bytes | None)
     if salt is None:
         h.update(b"\xff" * 8)  # distinct from every salt, the empty one included
     else:
-        raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+        raw = salt_bytes(salt)
         h.update(len(raw).to_bytes(8, "little"))
         h.update(raw)
     return h.digest()
+
+
+def salt_bytes(salt) -> bytes:
+    """The bytes a salt stands for. Only `str` and `bytes` are salts: `bytes(3)` is three zero
+    bytes and `bytes(False)` is empty, so accepting ints (or anything `bytes()` takes) would let
+    unrelated values share one tenant's keys."""
+    if isinstance(salt, str):
+        return salt.encode()
+    if isinstance(salt, bytes):
+        return bytes(salt)
+    # The type alone: the repr of a huge int is slow or refused outright.
+    raise TypeError(f"salt: expected a str, bytes or None, got {type(salt).__name__}")
 
 
 def chain(root: bytes, data: bytes, block_size: int) -> list[bytes]:

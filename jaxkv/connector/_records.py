@@ -148,3 +148,25 @@ def decode(data: bytes, key: str) -> BlockRecord:
         if isinstance(err, CorruptRecordError):
             raise
         raise CorruptRecordError(f"record {key}: malformed header ({err})") from err
+
+
+HEAD_BYTES = 4096  # enough for the header of any layout jaxkv writes
+
+
+def expected_size(head: bytes) -> int | None:
+    """The full length the record starting with `head` declares, or `None` when `head` is not
+    the start of a record (or is cut inside its header). A cheap check that a stored record is
+    whole without reading its payload; the checksum is verified when it is read."""
+    if len(head) < _PREFIX.size:
+        return None
+    magic, version, header_len = _PREFIX.unpack_from(head)
+    start = _PREFIX.size + header_len
+    if magic != MAGIC or version != VERSION or len(head) < start:
+        return None
+    try:
+        payload = json.loads(head[_PREFIX.size : start])["payload"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(payload, int) or payload < 0:
+        return None
+    return start + payload + _CRC.size

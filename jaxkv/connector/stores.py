@@ -11,7 +11,9 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import contextvars
 import dataclasses
+import logging
 import mmap
 import sys
 import threading
@@ -21,6 +23,41 @@ import numpy as np
 
 from jaxkv._checks import int_arg
 from jaxkv.connector._records import BlockRecord, Segment, is_block_of
+
+# Library logging: silent unless the application configures the "jaxkv" logger.
+log = logging.getLogger("jaxkv")
+log.addHandler(logging.NullHandler())
+
+# Set while a strict connector's call runs (per thread): stores then raise their I/O errors.
+_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxkv_strict", default=False)
+
+
+@contextlib.contextmanager
+def strict_scope(strict: bool):
+    """Makes the stores used inside the block raise their I/O errors when `strict`."""
+    token = _STRICT.set(strict or _STRICT.get())
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+class FailureLog:
+    """Counts failures per class and logs one warning line per class at its 1st, 2nd, 4th,
+    8th... occurrence, with the count so far: a failing disk cannot flood the log."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def note(self, kind: str, err: BaseException) -> None:
+        with self._lock:
+            self.counts[kind] += 1
+            n = self.counts[kind]
+        if n & (n - 1) == 0:
+            log.warning("%s: %s failed (%d so far): %s", self.owner, kind, n, err)
+
 
 _COUNTERS = (
     "hits",
@@ -39,19 +76,42 @@ _COUNTERS = (
 class BlockStore(abc.ABC):
     """Key -> `BlockRecord`. Implementations are thread-safe."""
 
+    #: Raise I/O errors (after counting and logging them) instead of turning them into a
+    #: miss or a dropped write. A strict `KVConnector` makes every store strict for its calls.
+    strict = False
+
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._bytes = 0
+        self._failures = FailureLog(type(self).__name__)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
 
+    def _failed(self, kind: str, err: OSError) -> None:
+        """Counts and logs one I/O failure of class `kind` (read, write, evict, scan...);
+        raises it when the store, or the connector calling it, is strict."""
+        self._count("io_errors")
+        self._failures.note(kind, err)
+        if self.strict or _STRICT.get():
+            err.jaxkv_counted = True  # so that the connector does not count it again
+            raise err
+
     def stats(self) -> dict[str, int]:
-        """Counters: hits, misses, blocks/bytes stored and loaded, verification failures,
-        evictions, I/O errors, rejected (records larger than the capacity), plus `blocks` and
-        `bytes` held now."""
+        """Counters, each with one meaning:
+
+        - `hits`, `misses`: `get` calls that returned a record, or `None` (for any reason).
+        - `blocks_stored`, `bytes_stored`: records newly written by `put` (bytes of their
+          arrays); `blocks_loaded`, `bytes_loaded`: records returned by `get`.
+        - `verification_failures`: records found damaged (each is dropped and is a miss).
+        - `evictions`: records removed to stay within the capacity.
+        - `io_errors`: failed file or network operations (each also a miss or a dropped
+          write, unless the store is strict).
+        - `rejected`: records refused because they cannot fit.
+        - `blocks`, `bytes`: what the store holds now.
+        """
         with self._lock:
             return {**self._counters, "blocks": len(self), "bytes": self.nbytes}
 
@@ -104,8 +164,19 @@ class BlockStore(abc.ABC):
         return records
 
     def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
-        """`put` of each record, in order (the same rules on the records' memory)."""
-        return [self.put(record) for record in records]
+        """`put` of each record, in order (the same rules on the records' memory).
+
+        An error raised part way carries the answers so far as `err.jaxkv_written`, so a
+        caller can count the records that did land.
+        """
+        written: list[bool] = []
+        try:
+            for record in records:
+                written.append(self.put(record))
+        except Exception as err:
+            err.jaxkv_written = written
+            raise
+        return written
 
     @property
     def nbytes(self) -> int:
