@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import tracemalloc
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_python
 
 import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool
@@ -448,20 +448,7 @@ print(KVConnector(src, DiskStore(sys.argv[1])).store(src, _seq(9, blocks=3), np.
 
 def test_disk_store_persists_across_processes(tmp_path):
     early = DiskStore(tmp_path)  # open before the other process writes
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python("-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path), timeout=120)
     assert proc.stdout.split() == ["3"]
     src = _pool(seed=5, size=128, layer_num=2)
     want = _rows(src, np.arange(10, 58))
