@@ -30,8 +30,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import settings
 
 import jaxkv
+
+# Hypothesis examples per property test: "lean" (the default) keeps the whole suite within a
+# few minutes on 2 cores, the properties' explicit edge cases being tested on their own;
+# `--hypothesis-profile=thorough` runs ten times as many.
+settings.register_profile("lean", max_examples=20)
+settings.register_profile("thorough", max_examples=200)
+settings.load_profile("lean")
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_DTYPES = tuple(
