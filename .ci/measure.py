@@ -2,7 +2,8 @@
 
 Usage: python3 .ci/measure.py LABEL SECONDS MEGABYTES -- COMMAND...
 
-Two peaks: the largest resident set of any one process (`getrusage(RUSAGE_CHILDREN)`, what
+Also the CPU seconds of every process it ran (user + system: on a busy machine the wall time
+grows, this much less). Two peaks: the largest resident set of any one process (`getrusage(RUSAGE_CHILDREN)`, what
 `/usr/bin/time -v` reports as "Maximum resident set size") and the largest sum over the whole
 process tree (sampled from /proc every 0.2 s), which is what the machine must hold when the
 command runs workers side by side. SECONDS and MEGABYTES are the bounds, printed beside them.
@@ -59,9 +60,11 @@ def main(argv: list[str]) -> int:
     done.set()
     sampler.join()
     took = time.monotonic() - start
-    peak_one = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_one = usage.ru_maxrss  # KiB on Linux
     print(
-        f"CI: {label} took {took:.0f} s, peak resident {peak_one / 1024:.0f} MB in one process, "
+        f"CI: {label} took {took:.0f} s ({usage.ru_utime + usage.ru_stime:.0f} s of CPU), "
+        f"peak resident {peak_one / 1024:.0f} MB in one process, "
         f"{peak_tree[0] / 1024:.0f} MB summed over its processes "
         f"(bounds: {seconds} s, {megabytes} MB on a 2-core machine)",
         flush=True,
