@@ -3,10 +3,11 @@
 Usage: python3 .ci/measure.py LABEL SECONDS MEGABYTES -- COMMAND...
 
 Also the CPU seconds of every process it ran (user + system: on a busy machine the wall time
-grows, this much less). Two peaks: the largest resident set of any one process (`getrusage(RUSAGE_CHILDREN)`, what
-`/usr/bin/time -v` reports as "Maximum resident set size") and the largest sum over the whole
-process tree (sampled from /proc every 0.2 s), which is what the machine must hold when the
-command runs workers side by side. SECONDS and MEGABYTES are the bounds, printed beside them.
+grows, this much less). Two peaks: the largest resident set of any one process
+(`getrusage(RUSAGE_CHILDREN)`, what `/usr/bin/time -v` reports as "Maximum resident set
+size") and the largest sum over the whole process tree (sampled from /proc every 0.2 s),
+which is what the machine must hold when the command runs workers side by side. SECONDS and
+MEGABYTES are the bounds, printed beside them.
 """
 
 import os
