@@ -28,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="with --store disk: keep the blocks here (a later run reuses "
                       "them); default: a temporary folder removed at exit")  # fmt: skip
     bench = sub.add_parser("bench", help="side-by-side benchmarks against numpy, memcpy, naive JAX")
-    bench.add_argument("--quick", action="store_true", help="small sizes, under 2 minutes")
+    bench.add_argument("--quick", action="store_true",
+                       help="fewer configurations and rounds at the full sizes (pools up to "
+                       "1M tokens, 4 GiB each): a few minutes and about 21 GB of memory on "
+                       "2 cores")  # fmt: skip
     bench.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     bench.add_argument("--plot", metavar="PATH", help="PNG of update time vs pool size")
     args = parser.parse_args(argv)

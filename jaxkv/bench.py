@@ -9,6 +9,7 @@ size.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,50 @@ from jaxkv import KOnlyPool, MHAPool, MLAPool, PagedAllocator, __version__
 from jaxkv.connector import DiskStore, HostStore, KVConnector
 
 HEADS, HEAD_DIM = 8, 128
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The problem sizes of a run (token counts). The full run and `--quick` use the defaults
+    (`--quick` runs fewer of the update configurations, fewer rounds and a quarter-size MLA and
+    K-only pool); `TINY` runs every section and every target at toy sizes in seconds, for tests of
+    the bench itself: its figures say nothing about performance."""
+
+    pools: tuple[int, int, int] = (1 << 14, 1 << 18, 1 << 20)  # CPU updates: small, mid, big
+    tokens: tuple[int, int, int] = (16, 256, 4096)  # CPU updates: T per call
+    accel_pools: tuple[int, int, int] = (1 << 14, 1 << 20, 1 << 22)
+    accel_tokens: tuple[int, int, int] = (256, 4096, 65536)
+    connector_tokens: int = 1024
+    hash_tokens: int = 1 << 16
+    decoder_pool: int = 1 << 16
+    cached: tuple[int, int] = (1 << 10, 1 << 14)  # decode steps: cached tokens, short and long
+    prefix: int = 2048  # time to first token: the reused prefix
+    new_tokens: int = 64  # time to first token: the new tail of each prompt
+    remote_blocks: tuple[int, ...] = (1, 16, 64)  # store tiers: blocks per call
+
+
+FULL = Sizes()
+TINY = Sizes(
+    pools=(256, 1024, 4096),
+    tokens=(4, 16, 64),
+    accel_pools=(256, 1024, 4096),
+    accel_tokens=(16, 64, 128),
+    connector_tokens=256,
+    hash_tokens=1 << 10,
+    decoder_pool=1 << 10,
+    cached=(32, 128),
+    prefix=64,
+    new_tokens=16,
+    remote_blocks=(1, 4),
+)
+
+
+def _label(n: int) -> str:
+    """16384 -> "16K", 1048576 -> "1M", 256 -> "256"."""
+    for shift, unit in ((20, "M"), (10, "K")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -163,39 +209,40 @@ def _update_cases(kind: str, dtype, size: int, t: int, naive: bool, numpy_base: 
     return cases, sum(v.nbytes for v in vals_np)
 
 
-def _accelerator_configs(quick: bool) -> list[tuple]:
+def _accelerator_configs(quick: bool, sizes: Sizes = FULL) -> list[tuple]:
     """MHA bf16 at 16K, 1M and 4M tokens (256 MiB and 16 GiB per layer at the ends), T up to
     65,536; `--quick` drops the middle pool and the MLA/K-only rows."""
-    sizes = (1 << 14, 1 << 22) if quick else (1 << 14, 1 << 20, 1 << 22)
+    small, mid, big = sizes.accel_pools
+    pools = (small, big) if quick else sizes.accel_pools
     configs = [
-        ("mha", jnp.bfloat16, size, t) for size in sizes for t in (256, 4096, 65536) if t < size
+        ("mha", jnp.bfloat16, size, t) for size in pools for t in sizes.accel_tokens if t < size
     ]
     if not quick:
-        configs += [("mha", jnp.float8_e4m3fn, 1 << 20, t) for t in (4096, 65536)]
-        configs += [(kind, jnp.bfloat16, 1 << 20, 65536) for kind in ("mla", "k_only")]
+        configs += [("mha", jnp.float8_e4m3fn, mid, t) for t in sizes.accel_tokens[1:]]
+        configs += [(kind, jnp.bfloat16, mid, sizes.accel_tokens[2]) for kind in ("mla", "k_only")]
     return configs
 
 
-def bench_updates(quick: bool) -> list[dict]:
+def bench_updates(quick: bool, sizes: Sizes = FULL) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     configs = []
-    sizes = (1 << 14, 1 << 18, 1 << 20)
+    small, mid, big_pool = sizes.pools
     if accelerated():
-        configs = _accelerator_configs(quick)
+        configs = _accelerator_configs(quick, sizes)
     for dtype in () if accelerated() else (jnp.bfloat16, jnp.float8_e4m3fn):
-        for size in sizes:
-            for t in (16, 256, 4096):
+        for size in sizes.pools:
+            for t in sizes.tokens:
                 if quick and (
-                    t == 16
-                    or (size == 1 << 20 and t != 256)
-                    or (dtype != jnp.bfloat16 and size != 1 << 18)
+                    t == sizes.tokens[0]
+                    or (size == big_pool and t != sizes.tokens[1])
+                    or (dtype != jnp.bfloat16 and size != mid)
                 ):
                     continue
                 configs.append(("mha", dtype, size, t))
     for kind in () if accelerated() else ("mla", "k_only"):
-        for t in (256, 4096):
-            configs.append((kind, jnp.bfloat16, 1 << 16 if quick else 1 << 18, t))
+        for t in sizes.tokens[1:]:
+            configs.append((kind, jnp.bfloat16, mid // 4 if quick else mid, t))
     for kind, dtype, size, t in configs:
         big = size >= 1 << 20 and not accelerated()
         cases, nbytes = _update_cases(
@@ -234,7 +281,7 @@ def bench_updates(quick: bool) -> list[dict]:
 # ---- connector -------------------------------------------------------------------------------
 
 
-def bench_connector(quick: bool) -> list[dict]:
+def bench_connector(quick: bool, sizes: Sizes = FULL) -> list[dict]:
     """Store and load throughput against memcpy (and, on accelerators, the pinned host link).
 
     CPU: 1024 tokens per call (32 MiB at 8 layers, 128 MiB at 32). Accelerators: 256 blocks of
@@ -244,10 +291,11 @@ def bench_connector(quick: bool) -> list[dict]:
     rng = np.random.default_rng(1)
     rows = []
     accel = jax.default_backend() != "cpu"
+    tokens = sizes.connector_tokens
     if accel:
-        cases = [(4096, 32, (16,) if quick else (16, 256))]
+        cases = [(4 * tokens, 32, (16,) if quick else (16, 256))]
     else:
-        cases = [(1024, layers, (16, 64, 256)) for layers in ((8,) if quick else (8, 32))]
+        cases = [(tokens, layers, (16, 64, 256)) for layers in ((8,) if quick else (8, 32))]
     for tokens, layers, blocks in cases:
         pool = MHAPool.create(
             size=4 * tokens, page_size=16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=layers
@@ -367,7 +415,7 @@ def _connector_row(pool, slots, layers, block, store_kind, quick, accel):
 # ---- remote tier -----------------------------------------------------------------------------
 
 
-def bench_remote(quick: bool) -> dict:
+def bench_remote(quick: bool, sizes: Sizes = FULL) -> dict:
     """Host, disk and Redis stores side by side: store and load of 1 to 64 blocks of 16 tokens
     (MHA 8x128 bf16, 8 layers: 512 KiB per block), Redis on a loopback `redis-server` started
     here, and Redis round trips per `store` and `load` call. Skipped (with the reason) without
@@ -382,7 +430,9 @@ def bench_remote(quick: bool) -> dict:
     if not LocalRedis.available():
         return {"skipped": MISSING, "rows": []}
     layers, block = 8, 16
-    counts = (1, 64) if quick else (1, 16, 64)
+    counts = sizes.remote_blocks
+    if quick:
+        counts = (counts[0], counts[-1])
     pool = MHAPool.create(
         size=4 * block * max(counts),
         page_size=16,
@@ -442,9 +492,9 @@ def _remote_row(pool, store, tier: str, blocks: int, block: int, quick: bool):
 # ---- hashing, allocators, async --------------------------------------------------------------
 
 
-def bench_hashing(quick: bool) -> list[dict]:
+def bench_hashing(quick: bool, sizes: Sizes = FULL) -> list[dict]:
     pool = MHAPool.create(size=16, head_num=1, head_dim=8, layer_num=1)
-    tokens = np.random.default_rng(2).integers(0, 150_000, 1 << 16)
+    tokens = np.random.default_rng(2).integers(0, 150_000, sizes.hash_tokens)
     data = tokens.astype("<u4").tobytes()
     rows = []
     for block in (16, 64, 256):
@@ -506,9 +556,9 @@ def bench_allocators(quick: bool) -> list[dict]:
     ]
 
 
-def bench_async(quick: bool) -> dict:
+def bench_async(quick: bool, sizes: Sizes = FULL) -> dict:
     rng = np.random.default_rng(4)
-    tokens, layers = 1024, 8
+    tokens, layers = sizes.connector_tokens, 8
     pool = MHAPool.create(
         size=4 * tokens, page_size=16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=layers
     )
@@ -549,7 +599,7 @@ def bench_async(quick: bool) -> dict:
 # ---- serving: the reference decoder -----------------------------------------------------------
 
 
-def bench_serving(quick: bool) -> dict:
+def bench_serving(quick: bool, sizes: Sizes = FULL) -> dict:
     """The reference decoder of `jaxkv.models` (GQA, 4 layers, d_model 512, 2 KV heads of 64)
     served from a bf16 `MHAPool` of 64K tokens (a serving pool holding many requests), page
     size 16.
@@ -569,13 +619,13 @@ def bench_serving(quick: bool) -> dict:
 
     model = Decoder(DecoderConfig())
     params = model.init_params()
-    layers, page, pool_tokens = model.cfg.n_layers, 16, 1 << 16
+    layers, page, pool_tokens = model.cfg.n_layers, 16, sizes.decoder_pool
     donated = jax.jit(model.step, donate_argnums=1, static_argnames="ctx")
     naive = jax.jit(model.step, static_argnames="ctx")
     recompute = jax.jit(model.reference_logits)
     state = {"pool": model.create_pool(size=pool_tokens, page_size=page)}
     decode = []
-    for cached in (1 << 10, 1 << 14):
+    for cached in sizes.cached:
         ctx = bucket(cached + 1)
         table = ReqToTokenPool(1, ctx).write(1, 0, np.arange(page, page + cached + 1))
         args = (
@@ -596,7 +646,7 @@ def bench_serving(quick: bool) -> dict:
             _ready(naive(params, state["pool"], *args, ctx=ctx))
 
         cases = {"jaxkv": jaxkv_step, "naive functional cache": naive_step}
-        long = cached > 1 << 10
+        long = cached > sizes.cached[0]
         if not long:
             cases["recompute without cache"] = lambda seq=seq: _ready(recompute(params, seq))
         med = interleaved(cases, rounds=3 if quick else (5 if long else 20), budget_s=4.0)
@@ -614,15 +664,16 @@ def bench_serving(quick: bool) -> dict:
                 **{f"{k} per layer": v / layers for k, v in med.items()},
             }
         )
-    return {"decode": decode, "ttft": _bench_ttft(model, params, quick)}
+    return {"decode": decode, "ttft": _bench_ttft(model, params, quick, sizes)}
 
 
-def _bench_ttft(model, params, quick: bool) -> dict:
+def _bench_ttft(model, params, quick: bool, sizes: Sizes = FULL) -> dict:
     from jaxkv.models import Engine, Request, bucket
 
     rng = np.random.default_rng(6)
-    prefix = rng.integers(0, 256, 2048).astype(np.int32)
-    ctx = bucket(2048 + 64)
+    new = sizes.new_tokens
+    prefix = rng.integers(0, 256, sizes.prefix).astype(np.int32)
+    ctx = bucket(sizes.prefix + new)
     kw = dict(pool_size=2 * ctx, page_size=16, max_batch=1, max_context=ctx)
     plain = Engine(model, params, **kw)
     reuse = Engine(model, params, store=HostStore(1 << 30), **kw)
@@ -631,7 +682,7 @@ def _bench_ttft(model, params, quick: bool) -> dict:
     # Round 0: the reusing engine computes the whole prompt (compiling the full-prompt step
     # both engines use) and offloads its blocks; later rounds' last 64 tokens are new.
     for r in range(1 + (2 if quick else 5)):
-        prompt = np.concatenate([prefix, rng.integers(0, 256, 64).astype(np.int32)])
+        prompt = np.concatenate([prefix, rng.integers(0, 256, new).astype(np.int32)])
         runs = [("no reuse", plain)] if r else []
         for name, engine in runs + [("reuse from HostStore", reuse)]:
             (res,) = engine.generate([Request(prompt, 1)])
@@ -640,7 +691,7 @@ def _bench_ttft(model, params, quick: bool) -> dict:
                 loaded = max(loaded, res.reused_tokens)
     reuse.close()
     return {
-        "prompt_tokens": 2048 + 64,
+        "prompt_tokens": sizes.prefix + new,
         "reused_tokens": loaded,
         **{name: float(np.median(ts)) for name, ts in times.items()},
     }
@@ -649,11 +700,19 @@ def _bench_ttft(model, params, quick: bool) -> dict:
 # ---- report ----------------------------------------------------------------------------------
 
 
-def _accelerator_update_targets(by: dict, target) -> None:
+def _sizes(res: dict) -> Sizes:
+    """The sizes a result was measured at (results written before they were recorded: FULL)."""
+    got = {k: tuple(v) if isinstance(v, list) else v for k, v in res.get("sizes", {}).items()}
+    return Sizes(**got)
+
+
+def _accelerator_update_targets(by: dict, target, sizes: Sizes) -> None:
     """Updates against the device's own floors (see `_update_cases`)."""
-    r = by.get((1 << 22, 65536))
+    small_pool, _, big_pool = (_label(n) for n in sizes.accel_pools)
+    _, mid_t, big_t = sizes.accel_tokens
+    r = by.get((sizes.accel_pools[2], big_t))
     target(
-        "jaxkv jit rate / device copy rate, T=65536, 4M-token pool",
+        f"jaxkv jit rate / device copy rate, T={big_t}, {big_pool}-token pool",
         r["device copy"] / r["jaxkv jit"] if r else None,
         0.7,
         at_least=True,
@@ -661,14 +720,16 @@ def _accelerator_update_targets(by: dict, target) -> None:
     ratios = [r["jaxkv jit"] / r["plain donated .at[].set"] for r in by.values()]
     # "No slower" within the timing noise of one run: 5%.
     target("jaxkv jit / plain donated .at[].set, worst size", max(ratios) if ratios else None, 1.05)
-    small, big = by.get((1 << 14, 4096)), by.get((1 << 22, 4096))
+    small = by.get((sizes.accel_pools[0], mid_t))
+    big = by.get((sizes.accel_pools[2], mid_t))
     target(
-        "jaxkv jit: time(4M pool) / time(16K pool), T=4096",
+        f"jaxkv jit: time({big_pool} pool) / time({small_pool} pool), T={mid_t}",
         big["jaxkv jit"] / small["jaxkv jit"] if small and big else None,
         1.3,
     )
-    r = by.get((1 << 14, 4096))
-    target("jaxkv eager / jaxkv jit, T=4096", r["jaxkv eager"] / r["jaxkv jit"] if r else None, 3.0)
+    r = small
+    value = r["jaxkv eager"] / r["jaxkv jit"] if r else None
+    target(f"jaxkv eager / jaxkv jit, T={mid_t}", value, 3.0)
 
 
 def _targets(res: dict) -> list[dict]:
@@ -680,10 +741,11 @@ def _targets(res: dict) -> list[dict]:
 
     upd = [r for r in res["updates"] if r["kind"] == "mha" and r["dtype"] == "bfloat16"]
     by = {(r["pool_tokens"], r["tokens"]): r for r in upd}
+    sizes = _sizes(res)
     if res["machine"]["backend"] != "cpu":
-        _accelerator_update_targets(by, target)
+        _accelerator_update_targets(by, target, sizes)
     else:
-        _cpu_update_targets(by, target)
+        _cpu_update_targets(by, target, sizes)
     _connector_targets(res, target)
     hashes = {h["block_size"]: h["ratio"] for h in res["hashing"]}
     target("block_hashes / one SHA-256 pass, block 16", hashes.get(16), 20.0)
@@ -692,21 +754,25 @@ def _targets(res: dict) -> list[dict]:
     return out
 
 
-def _cpu_update_targets(by: dict, target) -> None:
+def _cpu_update_targets(by: dict, target, sizes: Sizes) -> None:
     """Updates against numpy's in-place assignment and pool-size independence."""
-    small, big = by.get((1 << 14, 256)), by.get((1 << 20, 256))
+    small_pool, mid_pool, big_pool = sizes.pools
+    mid_t = sizes.tokens[1]
+    small, big = by.get((small_pool, mid_t)), by.get((big_pool, mid_t))
     for mode in ("jaxkv jit", "jaxkv eager"):
         value = big[mode] / small[mode] if small and big else None
-        target(f"{mode}: time(1M pool) / time(16K pool), T=256", value, 1.3)
-    for t in (256, 4096):
-        r = by.get((1 << 18, t))
+        name = f"time({_label(big_pool)} pool) / time({_label(small_pool)} pool)"
+        target(f"{mode}: {name}, T={mid_t}", value, 1.3)
+    for t in sizes.tokens[1:]:
+        r = by.get((mid_pool, t))
         target(
             f"jaxkv jit / numpy in-place, T={t}",
             r["jaxkv jit"] / r["numpy in-place"] if r else None,
             1.5,
         )
-    r = by.get((1 << 18, 256))
-    target("jaxkv eager / jaxkv jit, T=256", r["jaxkv eager"] / r["jaxkv jit"] if r else None, 3.0)
+    r = by.get((mid_pool, mid_t))
+    value = r["jaxkv eager"] / r["jaxkv jit"] if r else None
+    target(f"jaxkv eager / jaxkv jit, T={mid_t}", value, 3.0)
 
 
 def _connector_targets(res: dict, target) -> None:
@@ -715,15 +781,18 @@ def _connector_targets(res: dict, target) -> None:
     rows = [c for c in res["connector"] if c["block_size"] == 16 and c["tier"] == "host"]
     if res["machine"]["backend"] == "cpu":
         row = next((c for c in rows if c["layers"] == 8), None)
-        name = "connector (store+load) / (2 memcpy), 64x16 tokens, 8 layers, host"
+        blocks = row["blocks"] if row else "-"
+        name = f"connector (store+load) / (2 memcpy), {blocks}x16 tokens, 8 layers, host"
         target(f"{name}, at capacity", row["store_load_vs_2memcpy"] if row else None, 2.5)
         cold = row.get("cold_store_load_vs_2memcpy") if row else None
         target(f"{name}, fresh HostStore", cold, 2.5)
         return
-    row = next((c for c in rows if c["bytes"] >= 512 << 20), None)
+    row = max(rows, key=lambda c: c["bytes"], default=None)  # 512 MiB per call in full runs
+    blocks = row["blocks"] if row else "-"
     for op, link in (("store", "device to host"), ("load", "host to device")):
         value = row[f"{op}_vs_link"] if row else None
-        target(f"{op} / pinned link ({link}), 256x16 tokens, 32 layers, host", value, 0.5, True)
+        name = f"{op} / pinned link ({link}), {blocks}x16 tokens, 32 layers, host"
+        target(name, value, 0.5, True)
 
 
 def _print_table(title: str, rows: list[dict], cols: list[tuple[str, str, str]]) -> None:
@@ -851,7 +920,7 @@ def _report(res: dict) -> None:
     )
     _report_remote(res["remote"])
     _print_table(
-        "hashing (64K tokens)",
+        f"hashing ({_label(res['hashing'][0]['tokens'])} tokens)",
         res["hashing"],
         [
             ("block_size", "block", "d"),
@@ -892,17 +961,20 @@ def _serving_targets(res: dict) -> list[dict]:
     every step), and reusing a 2K-token prefix (97% of the prompt) must at least halve the
     time to first token."""
     serving = res.get("serving") or {}
+    sizes = _sizes(res)
     decode = {r["cached_tokens"]: r for r in serving.get("decode", [])}
-    r = decode.get(1 << 10)
+    r = decode.get(sizes.cached[0])
     ttft = serving.get("ttft", {})
+    cached, pool = _label(sizes.cached[0]), _label(sizes.decoder_pool)
     rows = [
         (
-            "decode step, 1K cached tokens, 64K-token pool: jaxkv / naive functional cache",
+            f"decode step, {cached} cached tokens, {pool}-token pool: jaxkv / naive functional "
+            "cache",
             r["jaxkv per layer"] / r["naive functional cache per layer"] if r else None,
             0.25,
         ),
         (
-            "time to first token: reused 2K prefix (HostStore) / no reuse",
+            f"time to first token: reused {_label(sizes.prefix)} prefix (HostStore) / no reuse",
             ttft["reuse from HostStore"] / ttft["no reuse"] if "no reuse" in ttft else None,
             0.5,
         ),
@@ -934,8 +1006,9 @@ def _report_serving(res: dict) -> None:
             row["recompute/jaxkv"] = row["recompute without cache"] / row["jaxkv"]
         rows.append(row)
     _print_table(
-        "reference decoder, decode step (ms per layer; GQA 8/2 heads of 64, bf16 pool of 64K "
-        "tokens, batch 1; recompute at 16K in full runs only)",
+        "reference decoder, decode step (ms per layer; GQA 8/2 heads of 64, bf16 pool of "
+        f"{_label(serving['decode'][0]['pool_tokens'])} tokens, batch 1; recompute of the "
+        "longer context in full runs only)",
         rows,
         [
             ("cached_tokens", "cached tokens", "d"),
@@ -996,7 +1069,21 @@ def machine() -> dict:
     }
 
 
-def run(quick: bool = False, json_path: str | None = None, plot_path: str | None = None) -> int:
+def run(
+    quick: bool = False,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    sizes: Sizes | None = None,
+) -> int:
+    """Runs every section, prints the tables and targets; returns the exit status.
+
+    Args:
+        quick: fewer update configurations and rounds (`--quick`).
+        json_path: where to write every figure as JSON, or None.
+        plot_path: where to draw update time against pool size (needs matplotlib), or None.
+        sizes: the problem sizes (default `FULL`); `TINY` runs every section in seconds, with
+            fewer configurations and rounds as `quick` does, for tests of the bench itself.
+    """
     if plot_path:
         try:
             import matplotlib  # noqa: F401
@@ -1004,17 +1091,23 @@ def run(quick: bool = False, json_path: str | None = None, plot_path: str | None
             print("--plot needs matplotlib: pip install 'jaxkv[bench]'", file=sys.stderr)
             return 2
     info = machine()
-    print("jaxkv bench" + (" --quick" if quick else ""))
+    sizes = FULL if sizes is None else sizes
+    quick = quick or sizes != FULL
+    print(
+        "jaxkv bench"
+        + (" --quick" if quick else "")
+        + ("" if sizes == FULL else " at reduced sizes")
+    )
     print("  " + ", ".join(f"{k} {v}" for k, v in info.items()))
     start = time.perf_counter()
-    res: dict = {"machine": info, "quick": quick}
-    res["updates"] = bench_updates(quick)
-    res["connector"] = bench_connector(quick)
-    res["remote"] = bench_remote(quick)
-    res["hashing"] = bench_hashing(quick)
+    res: dict = {"machine": info, "quick": quick, "sizes": dataclasses.asdict(sizes)}
+    res["updates"] = bench_updates(quick, sizes)
+    res["connector"] = bench_connector(quick, sizes)
+    res["remote"] = bench_remote(quick, sizes)
+    res["hashing"] = bench_hashing(quick, sizes)
     res["allocators"] = bench_allocators(quick)
-    res["async"] = bench_async(quick)
-    res["serving"] = bench_serving(quick)
+    res["async"] = bench_async(quick, sizes)
+    res["serving"] = bench_serving(quick, sizes)
     res["targets"] = _targets(res) + _serving_targets(res)
     res["seconds"] = time.perf_counter() - start
     _report(res)

@@ -20,14 +20,28 @@ subnormals bit-exactly.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import settings
 
 import jaxkv
 
+# Hypothesis examples per property test: "lean" (the default) keeps the whole suite within a
+# few minutes on 2 cores, the properties' explicit edge cases being tested on their own;
+# `--hypothesis-profile=thorough` runs ten times as many.
+settings.register_profile("lean", max_examples=20)
+settings.register_profile("thorough", max_examples=200)
+settings.load_profile("lean")
+
+REPO = Path(__file__).resolve().parents[1]
 ALL_DTYPES = tuple(
     jnp.dtype(d)
     for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -391,3 +405,35 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(scope="session")
 def device_sharding():
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def run_python(*args: str, timeout: float, env: dict | None = None, check: bool = True):
+    """Runs `python *args` in a fresh interpreter at the repository root and returns the
+    completed process (text stdout and stderr).
+
+    The child runs on CPU (`JAX_PLATFORMS=cpu`: an accelerator already held by this process
+    cannot be shared) with the repository first on its path; `env` adds or overrides
+    variables. With `check` a non-zero exit fails the test showing the child's output, and so
+    does running past `timeout` seconds.
+    """
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, **(env or {})}
+    cmd = [sys.executable, *args]
+    shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in cmd)
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(
+            f"{shown}: still running after {timeout} s\nstdout:\n{out[-3000:]}\n"
+            f"stderr:\n{err[-3000:]}"
+        )
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"{shown}: exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+            f"stderr:\n{proc.stderr[-3000:]}"
+        )
+    return proc

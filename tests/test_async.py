@@ -2,7 +2,6 @@
 torn or missing-but-promised block."""
 
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,19 +15,53 @@ TOKENS = np.arange(64) % 7 + 3
 SLOTS = np.arange(1, 65)
 
 
-class SlowStore(HostStore):
-    """A HostStore whose writes take `delay` seconds each, to hold blocks in flight."""
+class GatedStore(HostStore):
+    """A HostStore whose block writes wait at a gate until the test lets them through, to hold
+    blocks in flight for as long as a test needs (no timing assumptions). `writing` is set when
+    a write reaches the gate; `allow(n)` lets `n` more writes through."""
 
-    def __init__(self, capacity, delay):
+    def __init__(self, capacity):
         super().__init__(capacity)
-        self.delay = delay
-        self.gate = threading.Event()
-        self.gate.set()
+        self.gate = threading.Semaphore(0)
+        self.writing = threading.Event()
+
+    def allow(self, n=1 << 20):
+        self.gate.release(n)
 
     def put(self, record):
-        self.gate.wait()
-        time.sleep(self.delay)
+        self.writing.set()
+        assert self.gate.acquire(timeout=60), "the test never let this write through"
         return super().put(record)
+
+
+class Arrivals:
+    """Wraps a method of an object: counts the calls that reached it, so a test can wait until
+    another thread is inside (blocked in) that call."""
+
+    def __init__(self, obj, name, monkeypatch):
+        self.count = 0
+        self.cond = threading.Condition()
+        inner = getattr(obj, name)
+
+        def counted(*args, **kwargs):
+            with self.cond:
+                self.count += 1
+                self.cond.notify_all()
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(obj, name, counted)
+
+    def wait_for(self, n):
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.count >= n, timeout=60), (self.count, n)
+
+
+def _in_thread(fn):
+    """Runs `fn` in a thread; returns the thread and a dict that gets its result."""
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("result", fn()), daemon=True)
+    thread.start()
+    return thread, out
 
 
 class FailingStore(HostStore):
@@ -70,15 +103,14 @@ def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(monk
     monkeypatch.setattr(_staging, "PINNED_ON_CPU", pinned)
     pool = _pool()
     want = _rows(pool, SLOTS)
-    store = SlowStore(1 << 22, delay=0.0)
-    store.gate.clear()  # nothing reaches the store until the pool has been overwritten
+    store = GatedStore(1 << 22)  # nothing reaches the store until the pool has been overwritten
     conn = KVConnector(pool, store)
     pointer = pool.k_buffer[0].unsafe_buffer_pointer()
     future = conn.store_async(pool, TOKENS, SLOTS)
     step = jax.jit(lambda p, loc, k: p.set_kv(0, loc, k, k), donate_argnums=0)
     pool = step(pool, jnp.asarray(SLOTS), jnp.zeros((64, 2, 8), jnp.bfloat16))
     assert pool.k_buffer[0].unsafe_buffer_pointer() == pointer  # no live export held it
-    store.gate.set()
+    store.allow()
     assert future.result(timeout=30) == 4
     pool, n = conn.load(pool, TOKENS, SLOTS + 100)
     assert n == 64
@@ -89,16 +121,23 @@ def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(monk
     conn.close()
 
 
-def test_lookup_counts_and_load_waits_for_blocks_in_flight():
+def test_lookup_counts_and_load_waits_for_blocks_in_flight(monkeypatch):
     pool = _pool()
     want = _rows(pool, SLOTS)
-    store = SlowStore(1 << 22, delay=0.05)
+    store = GatedStore(1 << 22)
     conn = KVConnector(pool, store)
     future = conn.store_async(pool, TOKENS, SLOTS)
-    assert not future.done()
+    assert store.writing.wait(timeout=60) and not future.done()  # held at the gate
     assert conn.lookup(TOKENS) == 64  # promised: being written
     assert conn.stats()["pending_blocks"] == 4
-    pool, n = conn.load(pool, TOKENS, SLOTS + 100)  # waits instead of missing
+    # The load starts while the first block is still held, so it must wait instead of missing.
+    waits = Arrivals(conn, "_wait_pending", monkeypatch)
+    loader, out = _in_thread(lambda: conn.load(pool, TOKENS, SLOTS + 100))
+    waits.wait_for(1)
+    assert loader.is_alive() and not future.done()
+    store.allow()
+    loader.join(timeout=60)
+    pool, n = out["result"]
     assert n == 64 and future.done()
     for got, ref in zip(_rows(pool, SLOTS + 100), want):
         np.testing.assert_array_equal(got, ref)
@@ -106,15 +145,26 @@ def test_lookup_counts_and_load_waits_for_blocks_in_flight():
     assert conn.stats()["pending_blocks"] == 0
 
 
-def test_flush_waits_for_every_pending_write_and_max_pending_bounds_the_queue():
+def test_flush_waits_for_every_pending_write_and_max_pending_bounds_the_queue(monkeypatch):
     pool = _pool()
-    store = SlowStore(1 << 22, delay=0.02)
+    store = GatedStore(1 << 22)
     conn = KVConnector(pool, store, max_pending=1)
+    rooms = Arrivals(conn._room, "acquire", monkeypatch)
     first = conn.store_async(pool, TOKENS, SLOTS)
-    second = conn.store_async(pool, TOKENS + 1, SLOTS)  # waits for room behind `first`
-    assert first.done()
+    # The second call waits for room behind `first`, held at the gate: it returns only after
+    # all of `first`'s 4 blocks are written (its own stay held).
+    caller, out = _in_thread(
+        lambda: (conn.store_async(pool, TOKENS + 1, SLOTS), store.stats()["blocks_stored"])
+    )
+    rooms.wait_for(2)
+    assert caller.is_alive() and not first.done()
+    store.allow(4)
+    caller.join(timeout=60)
+    second, stored_when_it_returned = out["result"]
+    assert stored_when_it_returned == 4 and not second.done()
+    store.allow(4)
     conn.flush()
-    assert second.done() and first.result() == second.result() == 4
+    assert first.done() and second.done() and first.result() == second.result() == 4
     assert store.stats()["blocks_stored"] == 8
     conn.close()
 

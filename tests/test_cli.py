@@ -1,31 +1,23 @@
 """The command line and the README: what a newcomer runs must work as written."""
 
+import dataclasses
 import json
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+from conftest import REPO as ROOT
+from conftest import run_python
 
-
-def _run(*args, timeout):
-    return subprocess.run(
-        [sys.executable, "-m", "jaxkv", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from jaxkv import bench
+from jaxkv.__main__ import main
 
 
 def test_demo_serves_with_every_option_and_verifies():
-    proc = _run(
-        "demo", "--attention", "mla", "--store", "disk", "--dtype", "fp8", "--requests", "2",
-        "--new-tokens", "3", timeout=600,
+    proc = run_python(
+        "-m", "jaxkv", "demo", "--attention", "mla", "--store", "disk", "--dtype", "fp8",
+        "--requests", "2", "--new-tokens", "3", timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "MLAPool, fp8 pool, page size 16, disk store" in proc.stdout
     assert "verification: OK" in proc.stdout
     hits = next(ln for ln in proc.stdout.splitlines() if ln.startswith("requests with a prefix"))
@@ -34,28 +26,28 @@ def test_demo_serves_with_every_option_and_verifies():
     assert "%" not in proc.stderr
 
 
-def test_demo_rejects_bad_counts():
-    proc = _run("demo", "--requests", "0", timeout=60)
-    assert proc.returncode == 2 and "--requests and --new-tokens must be at least 1" in proc.stderr
+def test_demo_rejects_bad_counts(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--requests", "0"])
+    assert exit_info.value.code == 2
+    assert "--requests and --new-tokens must be at least 1" in capsys.readouterr().err
 
 
 def test_pool_walkthrough_example_verifies_every_pool():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "pool_walkthrough.py")],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_python(str(ROOT / "examples" / "pool_walkthrough.py"), timeout=300)
     for name in ("MHA", "MLA", "K-only"):
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(name))
         assert line.endswith("bit-exact, in place"), line
 
 
-def test_bench_quick_writes_well_formed_json(tmp_path):
+def test_bench_runs_every_section_and_target_and_writes_well_formed_json(tmp_path, capsys):
+    # Every section and target at toy sizes, in this process: `--quick` itself runs the same
+    # code at 16K-1M-token pools (minutes, gigabytes), which is the bench's job, not a test's.
     out = tmp_path / "bench.json"
-    proc = _run("bench", "--quick", "--json", str(out), timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert bench.run(json_path=str(out), sizes=bench.TINY) == 0
+    printed = capsys.readouterr().out
     res = json.loads(out.read_text())
+    assert res["quick"] and res["sizes"] == json.loads(json.dumps(dataclasses.asdict(bench.TINY)))
     sections = {"machine", "updates", "connector", "hashing", "allocators", "async", "serving"}
     assert sections | {"targets"} <= set(res)
     # Each backend is measured against its own floors: host numpy and memcpy on CPU, a device
@@ -73,7 +65,7 @@ def test_bench_quick_writes_well_formed_json(tmp_path):
         r["store_round_trips"] for r in remote["rows"] if r["tier"] == "redis"
     } == {2}
     assert res["machine"]["backend"] and res["machine"]["device_kind"]
-    assert res["serving"]["ttft"]["reused_tokens"] == 2048
+    assert res["serving"]["ttft"]["reused_tokens"] == bench.TINY.prefix
     assert all(r["jaxkv per layer"] > 0 for r in res["serving"]["decode"])
     # Updates: 5 targets on CPU, 4 on accelerators; connector 2; hashing 2; async 1; serving 2.
     assert len(res["targets"]) == (12 if cpu else 11)
@@ -81,18 +73,20 @@ def test_bench_quick_writes_well_formed_json(tmp_path):
         assert isinstance(target["value"], float) and target["value"] > 0, target
         value, limit = target["value"], target["limit"]
         assert target["ok"] == (value >= limit if target["at_least"] else value <= limit)
+        verdict = "ok" if target["ok"] else "MISS"
+        assert f"[{verdict}] {target['target']}: {value:.2f}" in printed
+    titles = ("updates on", "connector (GB/s", "hashing (", "allocators (", "store_async:")
+    assert all(title in printed for title in titles)
 
 
-def test_bench_plot_without_matplotlib_or_with_it(tmp_path):
+def test_bench_plot_without_matplotlib_or_with_it(tmp_path, capsys):
     # --plot needs the optional `bench` extra; without it the command says so and exits 2.
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        proc = _run("bench", "--quick", "--plot", str(tmp_path / "p.png"), timeout=60)
-        assert proc.returncode == 2 and "jaxkv[bench]" in proc.stderr
+        assert main(["bench", "--quick", "--plot", str(tmp_path / "p.png")]) == 2
+        assert "jaxkv[bench]" in capsys.readouterr().err
     else:
-        from jaxkv import bench
-
         res = {
             "updates": [
                 {

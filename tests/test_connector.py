@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import chex
@@ -19,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_python
 
 import jaxkv
 from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
@@ -912,20 +911,7 @@ def test_min_block_count():
 
 
 def test_example_offload_reload_runs():
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "offload_reload.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_python(str(REPO / "examples" / "offload_reload.py"), timeout=120)
     assert "bit-exact" in proc.stdout
 
 

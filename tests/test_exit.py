@@ -5,18 +5,15 @@ about one run in six ("terminate called without an active exception"): an XLA wo
 the last reference to the numpy memory during shutdown. Several short runs catch a regression.
 """
 
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import run_python
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sglang_shaped_pools.py"
 
 
 def test_example_with_foreign_pools_exits_cleanly_every_time():
     for _ in range(6):
-        proc = subprocess.run(
-            [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120
-        )
-        assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+        proc = run_python(str(EXAMPLE), timeout=120)
         assert proc.stdout.count("bit-exact: True") == 2
         assert "UnsupportedKVCacheError (an AttributeError: True)" in proc.stdout

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_python
 
 from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
 from jaxkv.connector import HostStore, KVConnector
@@ -115,21 +113,8 @@ def test_keys_are_stable_across_processes():
         _conn(namespace="m").block_hashes(TOKENS, salt="t"),
         _conn(nsa).block_hashes(TOKENS),
     ]
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONHASHSEED": "12345",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _SUBPROCESS, json.dumps(TOKENS.tolist())],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr
+    env = {"PYTHONHASHSEED": "12345"}
+    proc = run_python("-c", _SUBPROCESS, json.dumps(TOKENS.tolist()), env=env, timeout=120)
     assert json.loads(proc.stdout) == want
 
 

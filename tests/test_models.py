@@ -51,9 +51,13 @@ def mixed_requests(rng, new_tokens=5):
     return [Request(rng.integers(0, 256, n).astype(np.int32), new_tokens) for n in (23, 5, 40, 17)]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("attention", ["gqa", "mla"])
+# Every pair of (attention, page size, pool dtype) values appears once: each factor changes its
+# own part of the step, and every two of them meet (a full cross product compiles twice as many
+# engines for no further pairing).
+@pytest.mark.parametrize(
+    "attention,page_size,dtype",
+    [("gqa", 1, "bf16"), ("gqa", 16, "fp8"), ("mla", 1, "fp8"), ("mla", 16, "bf16")],
+)
 def test_cached_generation_equals_uncached_reference(attention, page_size, dtype):
     model, params = small_model(attention)
     rng = np.random.default_rng(7)

@@ -276,8 +276,8 @@ def test_readers_dequantise_to_float32(kv, dtype, jitted):
 # ---- property: round trips through the readers, eager and jitted ------------------------------
 
 T = 3
+# Examples per test: the active hypothesis profile's (conftest: "lean" by default).
 SETTINGS = settings(
-    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

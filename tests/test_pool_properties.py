@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -28,8 +29,8 @@ OPS = {
     "mla": ("set_kv", "set_mla_kv"),
     "nsa": ("set_kv", "set_mla_kv", "set_index_k"),
 }
+# Examples per test: the active hypothesis profile's (conftest: "lean" by default).
 SETTINGS = settings(
-    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -186,6 +187,21 @@ def _jit_step(pool, loc, args, scales, *, name, layer_id):
     return getattr(pool, name)(layer_id, loc, *args, **scales)
 
 
+# Every dtype through MHA (the encode path of each dtype, scaled and not, on two buffers), every
+# kind in bfloat16 (each layout), and fp8 latent rows plain (MLA) and packed (NSA). The other
+# kind x dtype pairs run the same encoder on the same layouts (compiling each pair's programs
+# is most of this test's time); tests/test_pools.py and tests/test_nsa_fp8.py check every pair
+# with explicit cases.
+PAIRS = [("mha", d) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")]
+PAIRS += [("konly", "bfloat16"), ("mla", "bfloat16"), ("nsa", "bfloat16")]
+PAIRS += [("mla", "float8_e4m3fn"), ("nsa", "float8_e4m3fn")]
+
+
+@pytest.mark.parametrize(
+    "pool_kind,pool_dtype",
+    [(k, jnp.dtype(d)) for k, d in PAIRS],
+    ids=[f"{k}-{d}" for k, d in PAIRS],
+)
 @SETTINGS
 @given(data=st.data())
 def test_updates_match_the_numpy_model_eager_and_jitted(kv, pool_kind, pool_dtype, data):

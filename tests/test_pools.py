@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import chex
@@ -13,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import run_python
 
 import jaxkv
 
@@ -92,14 +91,7 @@ print(type(jaxkv.__version__).__name__, type(pool).__name__, jaxkv.connector.KVC
 def test_import_needs_only_core_dependencies():
     """`import jaxkv` (and `jaxkv.connector`) work with test, bench and optional-extra packages
     unavailable."""
-    out = subprocess.run(
-        [sys.executable, "-c", _IMPORT_WITH_CORE_DEPS_ONLY],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_python("-c", _IMPORT_WITH_CORE_DEPS_ONLY, timeout=120)
     assert out.stdout.split() == ["str", "MHAPool", "KVConnector"]
 
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import REPO, run_python
 from test_connector import KINDS, _fill, _make_pool, _roundtrip
 
 from jaxkv import MHAPool
@@ -31,7 +30,6 @@ from jaxkv.connector import HostStore, KVConnector, RedisStore, TieredStore, _re
 from jaxkv.connector import remote as remote_module
 from jaxkv.connector._redis_server import MISSING, LocalRedis
 
-REPO = Path(__file__).resolve().parents[1]
 BS = 16
 
 
@@ -144,16 +142,7 @@ def test_two_processes_share_a_prefix(server):
         "pool = _mha(5); conn = KVConnector(pool, RedisStore(sys.argv[1], key_prefix=sys.argv[2]));"
         f"print(conn.store(pool, np.arange({5 * BS}) + 7, np.arange({5 * BS})))"
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", child, server.url, prefix, str(REPO / "tests")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_python("-c", child, server.url, prefix, str(REPO / "tests"), timeout=120)
     assert out.stdout.strip() == "5"
     src = _mha(5)
     dst = _make_pool("mha", size=128, page_size=1, dtype=jnp.float32)

@@ -1,8 +1,6 @@
 """The serving loop over jaxkv: prefix reuse, no retracing, in-place pools, the demo program."""
 
 import io
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -11,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMALL_DECODER as SMALL
+from conftest import run_python
 
 from jaxkv import demo
 from jaxkv.connector import DiskStore, HostStore
@@ -79,10 +78,7 @@ def test_prefix_reuse_from_a_disk_store_left_by_an_earlier_process(tmp_path):
         print(engine.connector.stats()["blocks_stored"])
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", child], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python("-c", child, timeout=300)
     assert int(proc.stdout.split()[-1]) == 4  # 75 prompt tokens: 4 full blocks of 16
 
     model, params = small_model()

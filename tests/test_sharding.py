@@ -1,10 +1,9 @@
 """Pools placed on a 4-device mesh (XLA's host-platform device count), run in a subprocess
 because the device count is fixed when jax starts."""
 
-import os
-import subprocess
-import sys
 import textwrap
+
+from conftest import run_python
 
 SCRIPT = textwrap.dedent(
     """
@@ -92,15 +91,9 @@ RULES = textwrap.dedent(
 
 
 def _run(script: str) -> None:
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = run_python("-c", script, env=env, timeout=300)
+    assert proc.stdout.strip().endswith("ok"), proc.stdout[-3000:]
 
 
 def test_head_sharded_pool_updates_and_round_trips_on_a_mesh():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_python
 
 import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool
@@ -449,20 +449,7 @@ print(KVConnector(src, DiskStore(sys.argv[1])).store(src, _seq(9, blocks=3), np.
 
 def test_disk_store_persists_across_processes(tmp_path):
     early = DiskStore(tmp_path)  # open before the other process writes
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python("-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path), timeout=120)
     assert proc.stdout.split() == ["3"]
     src = _pool(seed=5, size=128, layer_num=2)
     want = _rows(src, np.arange(10, 58))
@@ -510,12 +497,7 @@ def test_disk_store_cleans_stale_temporary_files_on_open_and_keeps_live_writers(
     conn.store(src, _seq(0), np.arange(1, 17))
     key = conn.block_hashes(_seq(0))[0]
     final = _record_path(tmp_path, key)
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    dead = run_python("-c", "import os; print(os.getpid())", timeout=60)
     dead_pid = int(dead.stdout)
     other = os.path.join(tmp_path, "ab", "f" * 64 + ".kvb")
     stale = [
