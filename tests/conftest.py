@@ -25,7 +25,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
+# Nothing in the suite is timed, and LLVM's optimisation passes took over a third of its CPU
+# time (tests/test_models.py and test_nsa_fp8.py: 80 s of CPU with them, 51 s without): the
+# suite compiles without them, here and in the Python processes it starts. XLA:CPU keeps IEEE
+# semantics at every level (it does not enable fast math), so the bits tested are the bits
+# served; XLA's own graph rewrites (the ones that change arithmetic) still run. Set
+# JAXKV_TEST_OPTIMIZE=1 to compile as users do.
+if os.environ.get("JAXKV_TEST_OPTIMIZE") != "1":
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
+
+# One compilation cache for the whole run, shared by the xdist workers and the Python
+# processes the tests start (they inherit the environment): the same small decoder, pools and
+# kernels are compiled in several files and subprocesses, and XLA keys each executable by its
+# program and options, so a cached one is the one a fresh compile would give.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _CACHE = tempfile.mkdtemp(prefix="jaxkv-test-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -417,7 +443,10 @@ def run_python(*args: str, timeout: float, env: dict | None = None, check: bool 
     does running past `timeout` seconds.
     """
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, **(env or {})}
+    env = dict(env or {})
+    if "XLA_FLAGS" in env:  # added to this process's flags (see the top of this file)
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
+    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, **env}
     cmd = [sys.executable, *args]
     shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in cmd)
     try:
