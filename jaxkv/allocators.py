@@ -15,13 +15,19 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxkv._checks import int_arg, is_int
 
 __all__ = ["TokenAllocator", "PagedAllocator", "ReqToTokenPool"]
+
+# What `backup_state` returns: copies of the free list, the release list and the free flags.
+AllocatorState = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _index(name: str, value) -> int:
@@ -109,7 +115,18 @@ class _PageFreeList:
         return (pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
 
     def alloc(self, need_size: int) -> np.ndarray | None:
-        """`need_size` unique slots (whole pages, in free-list order), or `None` if short."""
+        """`need_size` unique slots (whole pages, in free-list order), or `None` if short.
+
+        Args:
+            need_size: slots wanted, an int >= 0; a multiple of `page_size`.
+
+        Returns:
+            An int64 array of `need_size` slots, or `None` (taking nothing) when fewer are
+            free.
+
+        Raises:
+            ValueError: `need_size` is not an int >= 0, or not a multiple of `page_size`.
+        """
         need_size = int_arg("need_size", need_size, low=0)
         if need_size % self.page_size:
             raise ValueError(
@@ -118,9 +135,17 @@ class _PageFreeList:
         pages = self._take_pages(need_size // self.page_size)
         return None if pages is None else self._pages_to_slots(pages)
 
-    def free(self, free_index) -> None:
+    def free(self, free_index: ArrayLike | Sequence[int]) -> None:
         """Frees the pages holding `free_index` slots; page 0, out-of-range slots, duplicates
-        and pages already free are ignored."""
+        and pages already free are ignored.
+
+        Args:
+            free_index: a slot, or a 1-D sequence or array of slots.
+
+        Raises:
+            TypeError: `free_index` is not integers (floats, bools, ragged nesting).
+            ValueError: `free_index` has two or more dimensions, or values past int64.
+        """
         slots = _int_vector("free_index", free_index)
         slots = slots[(slots >= self.page_size) & (slots < (self.num_pages + 1) * self.page_size)]
         pages = np.unique(slots // self.page_size)
@@ -128,17 +153,33 @@ class _PageFreeList:
         self._is_free[pages] = True
         self._release = np.concatenate([self._release, pages])
 
-    def backup_state(self):
-        """A snapshot of the free lists (a copy: later calls do not change it)."""
+    def backup_state(self) -> AllocatorState:
+        """A snapshot of the free lists (a copy: later calls do not change it).
+
+        Returns:
+            An opaque state for `restore_state`.
+        """
         return (self._free.copy(), self._release.copy(), self._is_free.copy())
 
-    def restore_state(self, state) -> None:
+    def restore_state(self, state: AllocatorState) -> None:
+        """Puts back the free lists of a `backup_state` snapshot (copying it, so one snapshot
+        can be restored more than once).
+
+        Args:
+            state: what `backup_state` returned, on an allocator of the same size.
+        """
         free, release, is_free = state
         self._free, self._release, self._is_free = free.copy(), release.copy(), is_free.copy()
 
 
 class TokenAllocator(_PageFreeList):
     """Token-granular slots `1..size` (SGLang's `TokenToKVPoolAllocator`).
+
+    Args:
+        size: slots handed out, a positive int.
+
+    Raises:
+        ValueError: `size` is not a positive int.
 
     Example:
         >>> TokenAllocator(8).alloc(3)
@@ -151,15 +192,43 @@ class TokenAllocator(_PageFreeList):
 
 class PagedAllocator(_PageFreeList):
     """Pages `1..size//page_size` of `page_size` slots (SGLang's
-    `PagedTokenToKVPoolAllocator`), with `alloc_extend` and `alloc_decode`."""
+    `PagedTokenToKVPoolAllocator`), with `alloc_extend` and `alloc_decode`.
 
-    def alloc_extend(self, prefix_lens, seq_lens, last_loc) -> np.ndarray | None:
+    Args:
+        size: slots in all pages, a positive multiple of `page_size`.
+        page_size: slots per page, a positive int.
+
+    Raises:
+        ValueError: `size` or `page_size` is not a positive int, or `size` is not a multiple
+            of `page_size` (the message names the nearest valid sizes).
+    """
+
+    def alloc_extend(
+        self,
+        prefix_lens: ArrayLike | Sequence[int],
+        seq_lens: ArrayLike | Sequence[int],
+        last_loc: ArrayLike | Sequence[int],
+    ) -> np.ndarray | None:
         """Slots for extending each request from `prefix_lens[i]` to `seq_lens[i]` tokens.
 
         Per request, in order: finish the partial page after `last_loc[i]`, then whole new
         pages, then the start of one more page; new pages come from the free list in order.
-        Returns the new slots concatenated in request order, or `None` (consuming nothing)
-        when pages run short.
+
+        Args:
+            prefix_lens: tokens each request already holds, shape `(batch,)`.
+            seq_lens: tokens each request holds after the call, shape `(batch,)`.
+            last_loc: per request, the slot of its last prefix token, in a page it holds
+                (`-1` for an empty prefix), shape `(batch,)`.
+
+        Returns:
+            The new slots (int64) concatenated in request order, or `None` (consuming
+            nothing) when pages run short.
+
+        Raises:
+            TypeError: an argument is not integers.
+            ValueError: unequal lengths, `prefix_lens[i] < 0` or `seq_lens[i] <
+                prefix_lens[i]`, or a `last_loc[i]` that is not at the page offset of the
+                request's last prefix token in a real page (when its partial page is used).
         """
         prefix = _int_vector("prefix_lens", prefix_lens)
         seq = _int_vector("seq_lens", seq_lens)
@@ -195,9 +264,26 @@ class PagedAllocator(_PageFreeList):
         out[m] = pages[page_start[req[m]] + k[m] // p] * p + k[m] % p
         return out
 
-    def alloc_decode(self, seq_lens, last_loc) -> np.ndarray | None:
+    def alloc_decode(
+        self, seq_lens: ArrayLike | Sequence[int], last_loc: ArrayLike | Sequence[int]
+    ) -> np.ndarray | None:
         """One slot per request for its `seq_lens[i]`-th token: `last_loc[i] + 1`, or the first
-        slot of a new page when the token starts one. `None` (consuming nothing) if short."""
+        slot of a new page when the token starts one.
+
+        Args:
+            seq_lens: tokens each request holds with the new one, shape `(batch,)`, each >= 1.
+            last_loc: per request, the slot of its last token before this one, shape
+                `(batch,)`.
+
+        Returns:
+            One slot per request (int64), or `None` (consuming nothing) when pages run short.
+
+        Raises:
+            TypeError: an argument is not integers.
+            ValueError: unequal lengths, a `seq_lens[i] < 1`, or a `last_loc[i]` that is not
+                the slot before the new token's page offset in a real page (when the new
+                token does not start a page).
+        """
         seq = _int_vector("seq_lens", seq_lens)
         last = _int_vector("last_loc", last_loc)
         if seq.size != last.size:
@@ -275,13 +361,27 @@ class ReqToTokenPool:
     Row bookkeeping (`alloc`, `free`) is host-side and shared by every `ReqToTokenPool`
     returned from `write`; the table itself is a device array updated functionally.
 
+    Args:
+        size: request rows handed out, a positive int.
+        max_context_len: token slots per row, a positive int.
+
+    Raises:
+        ValueError: `size` or `max_context_len` is not a positive int.
+
     Example:
         >>> rtt = ReqToTokenPool(size=4, max_context_len=8)
         >>> rtt.alloc(2)
         [3, 4]
     """
 
-    def __init__(self, size: int, max_context_len: int, *, _rows=None, _table=None):
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        *,
+        _rows: _RowFreeList | None = None,
+        _table: jax.Array | None = None,
+    ):
         self.size = int_arg("size", size)
         self.max_context_len = int_arg("max_context_len", max_context_len)
         self._rows = _rows if _rows is not None else _RowFreeList(self.size)
@@ -292,10 +392,21 @@ class ReqToTokenPool:
         )
 
     def available_size(self) -> int:
+        """Rows free now."""
         return len(self._rows.free_slots)
 
     def alloc(self, need_size: int = 1) -> list[int] | None:
-        """`need_size` free rows (never row 0), or `None` (taking none) when fewer are free."""
+        """`need_size` free rows (never row 0), or `None` (taking none) when fewer are free.
+
+        Args:
+            need_size: rows wanted, an int >= 0.
+
+        Returns:
+            A list of `need_size` rows, or `None` when fewer are free.
+
+        Raises:
+            ValueError: `need_size` is not an int >= 0.
+        """
         need_size = int_arg("need_size", need_size, low=0)
         free = self._rows.free_slots
         if need_size > len(free):
@@ -306,9 +417,18 @@ class ReqToTokenPool:
         del free[-need_size:]
         return out
 
-    def free(self, free_index) -> None:
+    def free(self, free_index: int | Iterable[int] | ArrayLike) -> None:
         """Returns a row (int) or rows (iterable) to the free list; rows already free are
-        ignored, so a double free never hands one row to two requests."""
+        ignored, so a double free never hands one row to two requests.
+
+        Args:
+            free_index: a row, or an iterable or 1-D array of rows.
+
+        Raises:
+            IndexError: a row outside `[1, size]` (nothing is freed).
+            TypeError: rows that are not integers.
+            ValueError: an array of two or more dimensions.
+        """
         if hasattr(free_index, "__iter__") and not isinstance(free_index, np.ndarray):
             free_index = list(free_index)  # sets, generators: any iterable of rows
         rows = [int(r) for r in _int_vector("free_index", free_index)]
@@ -326,14 +446,33 @@ class ReqToTokenPool:
                 listed.add(r)
 
     def clear(self) -> None:
+        """Frees every row (the table's contents are left as they are)."""
         self._rows.clear()
 
-    def write(self, row: int, start: int, slots, *, donate: bool = True) -> ReqToTokenPool:
+    def write(
+        self, row: int, start: int, slots: ArrayLike | Sequence[int], *, donate: bool = True
+    ) -> ReqToTokenPool:
         """A new pool with `req_to_token[row, start:start+len(slots)] = slots`.
 
         `row` may be any row of the table, the padding row 0 included. Eagerly the old table is
         donated (use the returned pool from then on); `donate=False` keeps it valid at the
         cost of a full copy.
+
+        Args:
+            row: the table row, in `[0, size]`.
+            start: the first column written, >= 0.
+            slots: the token slots to write, a 1-D sequence of ints in int32's range.
+            donate: give the old table's buffer to the new pool (the old pool's table is then
+                invalid).
+
+        Returns:
+            A `ReqToTokenPool` sharing this one's row bookkeeping, with the new table.
+
+        Raises:
+            TypeError: `row` or `start` is not an int, or `slots` is not integers.
+            ValueError: `slots` has two or more dimensions, or a value outside int32.
+            IndexError: `row` outside `[0, size]`, or `start + len(slots)` past
+                `max_context_len` (or a negative `start`).
         """
         slots = _int_vector("slots", slots)
         row, start = _index("row", row), _index("start", start)

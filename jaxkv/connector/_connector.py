@@ -21,8 +21,10 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
 
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxkv._checks import int_arg, is_int
 from jaxkv.connector import _hashing
@@ -42,12 +44,25 @@ from jaxkv.connector.stores import BlockStore, FailureLog, strict_scope
 # the link ran at 48 GB/s against 7 GB/s for a host copy: sending whole wins above 1/8.
 _WHOLE_SEGMENT_SHARE = 1 / 8
 
+# A pool `load` writes into: it returns one of the same type (a jaxkv pool, or the foreign
+# pool it wrote in place).
+Pool = TypeVar("Pool")
+
 
 def min_block_count(per_rank_counts: Sequence[int]) -> int:
     """The block count every rank can hold: the minimum of the ranks' counts.
 
     Tensor-parallel ranks must agree on one block count for a shared store (SGLang's FlexKV
     MIN-aligns them); pass each rank's count, for instance gathered with an all-reduce.
+
+    Args:
+        per_rank_counts: each rank's block count (ints >= 0).
+
+    Returns:
+        The smallest count.
+
+    Raises:
+        ValueError: an empty sequence or a negative count.
     """
     counts = [int(c) for c in per_rank_counts]
     if not counts or min(counts) < 0:
@@ -75,15 +90,18 @@ class KVConnector:
             logger: a cache that fails must not fail the request it was meant to speed up.
 
     Raises:
-        UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes.
-        ValueError: a bad `block_size` or `max_pending`.
+        UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes, or
+            buffers jaxkv cannot move.
+        ValueError: a `block_size` that is not a positive multiple of the page size, or a
+            `max_pending` that is not a positive int.
+        TypeError: a `strict` that is not a bool, or a `namespace` that is not a str.
 
     After `close()`, `store`, `store_async` and `load` raise `RuntimeError`.
     """
 
     def __init__(
         self,
-        pool,
+        pool: object,
         store: BlockStore,
         *,
         block_size: int | None = None,
@@ -146,13 +164,45 @@ class KVConnector:
         root = _hashing.root_hash(self.namespace, self.fingerprint, salt)
         return _hashing.chain(root, data, self.block_size), data
 
-    def block_hashes(self, token_ids, *, salt: str | bytes | None = None) -> list[str]:
+    def block_hashes(
+        self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
+    ) -> list[str]:
         """Hex keys of every full block of `token_ids`, chained: block i's key covers all
-        tokens up to its end, under this connector's namespace, layout and `salt`."""
+        tokens up to its end, under this connector's namespace, layout and `salt`.
+
+        Args:
+            token_ids: 1-D integer token ids in `[0, 2**32)`.
+            salt: a tenant's salt (`str` or `bytes`); blocks stored under one salt are
+                invisible under another.
+
+        Returns:
+            One key (64 hex digits) per full block; a partial tail block has none.
+
+        Raises:
+            TypeError: `token_ids` that are not integers, or a `salt` that is neither `str`,
+                `bytes` nor `None`.
+            ValueError: `token_ids` that are not 1-D, or an id outside `[0, 2**32)`.
+        """
         return [d.hex() for d in self._digests(token_ids, salt)[0]]
 
-    def lookup(self, token_ids, *, salt: str | bytes | None = None) -> int:
-        """Leading tokens (a multiple of `block_size`) whose blocks are all stored."""
+    def lookup(
+        self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
+    ) -> int:
+        """Leading tokens (a multiple of `block_size`) whose blocks are all stored, or being
+        written by `store_async`. Changes no data (a store may refresh recency).
+
+        Args:
+            token_ids: 1-D integer token ids.
+            salt: the salt the blocks were stored under, if any.
+
+        Returns:
+            The number of leading tokens found, a multiple of `block_size`.
+
+        Raises:
+            TypeError, ValueError: bad `token_ids` or `salt`, as `block_hashes`.
+            OSError: the store failed to answer, only when this connector or the store is
+                strict (otherwise the blocks it could not check count as missing).
+        """
         digests = self._digests(token_ids, salt)[0]
         with strict_scope(self.strict):
             held = self._held([d.hex() for d in digests], stop_at_miss=True)
@@ -229,10 +279,28 @@ class KVConnector:
             raise ValueError(f"{arg}[{i}] = {int(arr[i])} is outside the pool's rows [0, {rows})")
         return arr.astype(np.int32)
 
-    def export_blocks(self, pool, slots) -> dict[str, np.ndarray]:
+    def export_blocks(
+        self, pool: object, slots: ArrayLike | Sequence[int]
+    ) -> dict[str, np.ndarray]:
         """Gathers the blocks at `slots` (a multiple of `block_size` long) on the device into
         block-major staging arrays `(n_blocks, layer_num, block_size, *row)` of raw bits and
-        hands them to the host through DLPack (no further copy on CPU)."""
+        hands them to the host through DLPack (no further copy on CPU).
+
+        Args:
+            pool: a pool of this connector's layout.
+            slots: the pool rows of whole blocks, 1-D, `len(slots)` a multiple of
+                `block_size`.
+
+        Returns:
+            Per buffer family (`"k"`, `"v"`, `"kv"`, `"index_k"`), an array `(n_blocks,
+            layer_num, block_size, *row_shape)` in the buffers' raw-bit dtype.
+
+        Raises:
+            ValueError: `len(slots)` not a multiple of `block_size`, a slot outside the pool's
+                rows, or a pool of another layout.
+            TypeError: non-integer slots.
+            UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes.
+        """
         view = self._view(pool)
         n = int(np.shape(slots)[0]) if np.ndim(slots) == 1 else -1
         if n < 0 or n % self.block_size:
@@ -299,10 +367,34 @@ class KVConnector:
                         self._counters["bytes_stored"] += record.nbytes
         return written
 
-    def store(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> int:
-        """Stores the full blocks of `token_ids` not already stored; `slots[t]` is the pool row
-        of token `t`. Returns the number of blocks newly written (a block the store failed
-        to write is not counted; see `strict`)."""
+    def store(
+        self,
+        pool: object,
+        token_ids: ArrayLike | Sequence[int],
+        slots: ArrayLike | Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+    ) -> int:
+        """Stores the full blocks of `token_ids` not already stored.
+
+        Args:
+            pool: a pool of this connector's layout holding the tokens.
+            token_ids: 1-D integer token ids; a partial tail block is not stored.
+            slots: `slots[t]` is the pool row of token `t`; `len(slots) == len(token_ids)`.
+            salt: a tenant's salt (`str` or `bytes`), or `None`.
+
+        Returns:
+            The number of blocks newly written (a block the store failed to write is not
+            counted; see `strict`).
+
+        Raises:
+            RuntimeError: the connector is closed.
+            ValueError: `slots` not of shape `(len(token_ids),)`, a slot outside the pool's
+                rows, a pool of another layout, or bad `token_ids` (as `block_hashes`).
+            TypeError: non-integer slots or token ids, or a bad `salt`.
+            UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes.
+            OSError: the store failed, only when this connector or the store is strict.
+        """
         self._check_open()
         with strict_scope(self.strict):
             records, staging = self._snapshot(pool, token_ids, slots, salt)
@@ -315,7 +407,14 @@ class KVConnector:
         for buf in staging:
             self._staging.give(buf)
 
-    def store_async(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> Future:
+    def store_async(
+        self,
+        pool: object,
+        token_ids: ArrayLike | Sequence[int],
+        slots: ArrayLike | Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+    ) -> Future[int]:
         """Like `store`, but returns as soon as the blocks are copied to host memory.
 
         The device-to-host snapshot is taken before this returns, so the pool may be donated
@@ -323,11 +422,20 @@ class KVConnector:
         most `max_pending` calls deep (a further call waits for room). `load` waits for the
         blocks it needs that are still being written; `lookup` counts them as stored.
 
+        Args:
+            pool, token_ids, slots, salt: as `store`.
+
         Returns:
-            A `concurrent.futures.Future` of the number of blocks newly written.
+            A `concurrent.futures.Future` of the number of blocks newly written, or of the
+            error the write raised (an `OSError` only when strict: otherwise a failed write
+            is a dropped block), which `flush` raises too.
 
         Raises:
-            RuntimeError: the connector is closed.
+            RuntimeError: the connector is closed (also when it closes while this call waits
+                for room).
+            ValueError, TypeError, UnsupportedKVCacheError: bad arguments, as `store`, raised
+                here rather than on the future.
+            OSError: checking which blocks are stored failed, only when strict.
         """
         self._check_open()
         with strict_scope(self.strict):
@@ -369,7 +477,12 @@ class KVConnector:
 
     def flush(self) -> None:
         """Waits until every `store_async` write has finished, then raises the first write
-        error since the last `flush` (each error also stays on its own future)."""
+        error since the last `flush` (each error also stays on its own future).
+
+        Raises:
+            Exception: the first error a background write raised since the last `flush`
+                (an `OSError` of a strict connector or store, for instance).
+        """
         with self._lock:
             futures = set(self._pending.values())
         wait(futures)
@@ -405,18 +518,39 @@ class KVConnector:
         with self._lock:
             self._counters[name] += n
 
-    def load(self, pool, token_ids, slots, *, salt: str | bytes | None = None):
+    def load(
+        self,
+        pool: Pool,
+        token_ids: ArrayLike | Sequence[int],
+        slots: ArrayLike | Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+    ) -> tuple[Pool, int]:
         """Copies the longest stored prefix of `token_ids` into rows `slots[:n]`, bit-exact.
 
         Every record is checked against its key, this layout and its block's token ids; the
         first block that fails ends the prefix (corrupt data is never loaded). Like eager
-        updates, a jaxkv pool passed in is consumed: use the returned one.
+        updates, a jaxkv pool passed in is consumed: use the returned one. A pool jaxkv did
+        not create is written in place and returned.
+
+        Args:
+            pool: a pool of this connector's layout to write into.
+            token_ids: 1-D integer token ids.
+            slots: the rows to write, one per token (`len(slots) == len(token_ids)`); only
+                the first `n_loaded_tokens` are written.
+            salt: the salt the blocks were stored under, if any.
 
         Returns:
-            `(new_pool, n_loaded_tokens)`.
+            `(new_pool, n_loaded_tokens)`, `n_loaded_tokens` a multiple of `block_size` (0
+            when nothing is stored; then `pool` itself is returned).
 
         Raises:
             RuntimeError: the connector is closed.
+            ValueError, TypeError, UnsupportedKVCacheError: bad arguments, as `store`; also
+                `TypeError` when a foreign pool's buffers cannot be written (checked before
+                any is written).
+            OSError: the store failed to read, only when this connector or the store is
+                strict (otherwise the prefix ends at the failed block).
         """
         self._check_open()
         view = self._view(pool)
@@ -516,7 +650,7 @@ class KVConnector:
                 return False
         return True
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters of this connector, each with one meaning (blocks are full blocks):
 
         - `lookups`: `lookup` calls; `lookup_hits`, `lookup_misses`: blocks a lookup found
@@ -533,7 +667,11 @@ class KVConnector:
         - `async_failures`: `store_async` writes whose future holds an error.
         - `evictions`: the store's; `pending_blocks`: blocks `store_async` is still writing.
 
-        The store's own counters (see `BlockStore.stats`) are under `"store"`."""
+        The store's own counters (see `BlockStore.stats`) are under `"store"`.
+
+        Returns:
+            The counters above (ints) and `"store"`, the store's `stats()` dict.
+        """
         store = self.backend.stats()
         with self._lock:
             counters = dict(self._counters)

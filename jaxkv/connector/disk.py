@@ -108,7 +108,12 @@ class DiskStore(BlockStore):
         strict: raise I/O errors instead of counting them as misses or dropped writes.
 
     Raises:
-        ValueError: a bad `capacity_bytes`, or a `path` that is a file.
+        ValueError: a `capacity_bytes` that is neither `None` nor a positive int, or a `path`
+            that is a file.
+        OSError: the folder cannot be created; with `strict`, also a failure to list it.
+
+    The store's methods raise `ValueError` for a key that is not 64 lowercase hex digits, and
+    `OSError` only when strict (see `BlockStore`).
 
     Example:
         >>> import tempfile

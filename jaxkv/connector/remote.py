@@ -66,6 +66,9 @@ class RedisStore(BlockStore):
     `breaker_trips`; `blocks` and `bytes` are the server's key count and memory in use (0
     while it is unreachable).
 
+    Its methods never raise the server's failures, even under a strict `KVConnector`: a
+    failed call is counted (`io_errors`) and answered as misses or dropped stores.
+
     Example:
         >>> store = RedisStore("redis://cache-host:6379/0", timeout_s=0.5)  # doctest: +SKIP
     """

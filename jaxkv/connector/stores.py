@@ -17,7 +17,7 @@ import logging
 import mmap
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxkv_strict", d
 
 
 @contextlib.contextmanager
-def strict_scope(strict: bool):
+def strict_scope(strict: bool) -> Iterator[None]:
     """Makes the stores used inside the block raise their I/O errors when `strict`."""
     token = _STRICT.set(strict or _STRICT.get())
     try:
@@ -74,7 +74,15 @@ _COUNTERS = (
 
 
 class BlockStore(abc.ABC):
-    """Key -> `BlockRecord`. Implementations are thread-safe."""
+    """Key -> `BlockRecord`. Implementations are thread-safe.
+
+    A subclass calls `super().__init__()` first and implements `contains`, `get`, `put` and
+    `__len__`; the batch methods default to those, key by key. Errors of the methods: an
+    `OSError` of the store's I/O is raised only when the store is strict (or a strict
+    `KVConnector` is calling it), else it is counted in `io_errors` and the call answers a
+    miss or a dropped write; a store may raise `ValueError` for a key it cannot name
+    (`DiskStore`: not 64 lowercase hex digits).
+    """
 
     #: Raise I/O errors (after counting and logging them) instead of turning them into a
     #: miss or a dropped write. A strict `KVConnector` makes every store strict for its calls.
@@ -111,17 +119,40 @@ class BlockStore(abc.ABC):
           write, unless the store is strict).
         - `rejected`: records refused because they cannot fit.
         - `blocks`, `bytes`: what the store holds now.
+
+        Returns:
+            A new dict of the counters (ints); stores add their own (see each store).
         """
         with self._lock:
             return {**self._counters, "blocks": len(self), "bytes": self.nbytes}
 
     @abc.abstractmethod
     def contains(self, key: str) -> bool:
-        """Whether `key` is held (may refresh its recency; changes no data)."""
+        """Whether `key` is held (may refresh its recency; changes no data).
+
+        Args:
+            key: a block key (64 hex digits, from `KVConnector.block_hashes`).
+
+        Returns:
+            `True` when the store holds a record under `key`.
+
+        Raises:
+            OSError: the store failed to answer, only when strict.
+        """
 
     @abc.abstractmethod
     def get(self, key: str) -> BlockRecord | None:
-        """The verified record of `key`, or `None` (a record failing verification is a miss)."""
+        """The verified record of `key`, or `None` (a record failing verification is a miss).
+
+        Args:
+            key: a block key.
+
+        Returns:
+            The record, read-only, or `None` when absent, damaged or unreadable.
+
+        Raises:
+            OSError: the read failed, only when strict.
+        """
 
     @abc.abstractmethod
     def put(self, record: BlockRecord) -> bool:
@@ -131,6 +162,16 @@ class BlockStore(abc.ABC):
         during the call: a store keeps copies (or bytes) of them. The exception is a record
         whose `source` is set: its arrays are a block of a `Segment`, memory the transfer
         produced and nobody writes again, which a store may keep as it is.
+
+        Args:
+            record: the block to store, under `record.key`.
+
+        Returns:
+            `True` when the record was newly stored; `False` when it was held already, could
+            not fit (counted as `rejected`) or failed to write (counted in `io_errors`).
+
+        Raises:
+            OSError: the write failed, only when strict.
         """
 
     @abc.abstractmethod
@@ -143,7 +184,18 @@ class BlockStore(abc.ABC):
 
     def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
         """Per key, whether it is held. With `stop_at_miss`, only the leading run of held keys
-        is asked for: every entry from the first miss on is `False`."""
+        is asked for: every entry from the first miss on is `False`.
+
+        Args:
+            keys: block keys, in order.
+            stop_at_miss: stop asking at the first key not held (a prefix lookup).
+
+        Returns:
+            One bool per key, in order.
+
+        Raises:
+            OSError: as `contains`, only when strict.
+        """
         held = []
         for key in keys:
             held.append(self.contains(key))
@@ -155,7 +207,18 @@ class BlockStore(abc.ABC):
         self, keys: Sequence[str], *, stop_at_miss: bool = False
     ) -> list[BlockRecord | None]:
         """Per key, its verified record or `None`. With `stop_at_miss`, only the leading run of
-        held keys is read: every entry from the first miss on is `None`."""
+        held keys is read: every entry from the first miss on is `None`.
+
+        Args:
+            keys: block keys, in order.
+            stop_at_miss: stop reading at the first miss (a prefix load).
+
+        Returns:
+            One record or `None` per key, in order.
+
+        Raises:
+            OSError: as `get`, only when strict.
+        """
         records: list[BlockRecord | None] = []
         for key in keys:
             records.append(self.get(key))
@@ -168,6 +231,15 @@ class BlockStore(abc.ABC):
 
         An error raised part way carries the answers so far as `err.jaxkv_written`, so a
         caller can count the records that did land.
+
+        Args:
+            records: the blocks to store, in order.
+
+        Returns:
+            One bool per record: whether it was newly stored (as `put`).
+
+        Raises:
+            OSError: as `put`, only when strict.
         """
         written: list[bool] = []
         try:

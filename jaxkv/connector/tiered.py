@@ -8,6 +8,7 @@ A write goes to every tier. Each tier keeps its own capacity, eviction and verif
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector.stores import BlockStore
@@ -30,6 +31,9 @@ class TieredStore(BlockStore):
 
     Raises:
         TypeError: no store, or one that is not a `BlockStore`.
+
+    Its methods raise what a tier raises (an `OSError` of a strict tier, or of any tier under
+    a strict `KVConnector`), at the first tier that does.
 
     Example:
         >>> import tempfile
@@ -56,7 +60,7 @@ class TieredStore(BlockStore):
     def nbytes(self) -> int:
         return sum(tier.nbytes for tier in self.tiers)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         tiers = [tier.stats() for tier in self.tiers]
         with self._lock:
             counters = dict(self._counters)

@@ -20,7 +20,9 @@ import hashlib
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 
+from jaxkv import MHAPool, MLAPool
 from jaxkv.models import layers
 from jaxkv.models.attention import VARIANTS
 from jaxkv.models.tokenizer import ByteTokenizer
@@ -113,11 +115,37 @@ class Decoder:
             "head": layers.dense(keys[-1], (c.d_model, c.vocab_size), c.d_model),
         }
 
-    def create_pool(self, *, size: int, page_size: int = 1, dtype=jnp.bfloat16):
-        """An empty pool of this model's cache layout (`MHAPool` or `MLAPool`)."""
+    def create_pool(
+        self, *, size: int, page_size: int = 1, dtype: DTypeLike = jnp.bfloat16
+    ) -> MHAPool | MLAPool:
+        """An empty pool of this model's cache layout (`MHAPool` or `MLAPool`).
+
+        Args:
+            size: tokens the pool holds, a positive multiple of `page_size`.
+            page_size: tokens per page.
+            dtype: the pool's dtype (the model computes in float32).
+
+        Returns:
+            An `MHAPool` (grouped-query attention) or `MLAPool` (latent attention).
+
+        Raises:
+            ValueError: bad sizes or an unsupported dtype (from the pool's `create`).
+        """
         return self.attention.create_pool(size=size, page_size=page_size, dtype=dtype)
 
-    def step(self, params, pool, table, rows, tokens, start, n_new, loc, *, ctx: int):
+    def step(
+        self,
+        params: dict,
+        pool: MHAPool | MLAPool,
+        table: jax.Array,
+        rows: jax.Array,
+        tokens: jax.Array,
+        start: jax.Array,
+        n_new: jax.Array,
+        loc: jax.Array,
+        *,
+        ctx: int,
+    ) -> tuple[jax.Array, MHAPool | MLAPool]:
         """One serving step over a padded batch: prefill (T > 1) and decode (T == 1) alike.
 
         Each entry's `n_new[b]` tokens sit at positions `start[b] ...`; their K/V are written
@@ -169,11 +197,22 @@ class Decoder:
         last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
         return layers.rms_norm(last, params["final_norm"]) @ params["head"], pool
 
-    def reference_logits(self, params, tokens, kv_dtype=None):
+    def reference_logits(
+        self, params: dict, tokens: ArrayLike, kv_dtype: DTypeLike | None = None
+    ) -> jax.Array:
         """Logits `(L, vocab)` at every position of `tokens (L,)`, recomputing the whole
         sequence with no cache. With `kv_dtype`, K and V (MLA: the latent and rope rows) are
         rounded as a pool of that dtype stores them, so the result matches what a cached run
-        reads back up to float32 rounding."""
+        reads back up to float32 rounding.
+
+        Args:
+            params: from `init_params`.
+            tokens: int token ids `(L,)`.
+            kv_dtype: round K and V as a pool of this dtype would; `None` keeps float32.
+
+        Returns:
+            float32 logits `(L, vocab_size)`.
+        """
         with jax.default_matmul_precision("highest"):
             return self._reference(params, tokens, kv_dtype)
 

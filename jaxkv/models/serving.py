@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxkv import PagedAllocator, ReqToTokenPool
 from jaxkv.connector import BlockStore, KVConnector
@@ -185,11 +186,11 @@ class Engine:
     def __init__(
         self,
         model: Decoder,
-        params,
+        params: dict,
         *,
         pool_size: int = 8192,
         page_size: int = 16,
-        dtype=jnp.bfloat16,
+        dtype: DTypeLike = jnp.bfloat16,
         max_batch: int = 8,
         max_context: int = 2048,
         store: BlockStore | None = None,

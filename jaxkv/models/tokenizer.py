@@ -6,7 +6,10 @@ its own tokenizer and only the token ids reach jaxkv.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+from jax.typing import ArrayLike
 
 
 class ByteTokenizer:
@@ -29,8 +32,15 @@ class ByteTokenizer:
         ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
         return np.concatenate([[self.bos_id], ids]).astype(np.int32) if bos else ids
 
-    def decode(self, ids) -> str:
-        """Text of `ids`; BOS and EOS are dropped, invalid UTF-8 becomes U+FFFD."""
+    def decode(self, ids: ArrayLike | Sequence[int]) -> str:
+        """Text of `ids`; BOS and EOS are dropped, invalid UTF-8 becomes U+FFFD.
+
+        Args:
+            ids: token ids, any shape (read flat).
+
+        Returns:
+            The decoded text.
+        """
         ids = np.asarray(ids).reshape(-1)
         data = bytes(int(i) for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
