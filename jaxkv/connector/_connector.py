@@ -285,7 +285,8 @@ class KVConnector:
 
     def store(self, pool, token_ids, slots, *, salt: str | bytes | None = None) -> int:
         """Stores the full blocks of `token_ids` not already stored; `slots[t]` is the pool row
-        of token `t`. Returns the number of blocks newly written."""
+        of token `t`. Returns the number of blocks newly written (on a sharded pool: block
+        records, one per shard of each block, that this process wrote)."""
         records, staging = self._snapshot(pool, token_ids, slots, salt)
         try:
             return self._write(records)
