@@ -223,7 +223,7 @@ def worker() -> None:
     pid, port, folder, phase = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60
+        f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120
     )
     from jax.experimental import multihost_utils
 

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,10 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     """Waits for every process; on a timeout or a failure kills the rest and fails the test
     with each one's exit status and output tail. Returns their stdouts."""
     outs, failed = [], False
+    deadline = time.monotonic() + timeout
     for proc in procs:
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
@@ -81,7 +83,8 @@ def test_two_processes_store_and_reload_a_prefix_shard_by_shard(tmp_path):
     for phase in ("store", "load"):
         port = str(_free_port())
         procs = [_start("worker", str(pid), port, folder, phase) for pid in (0, 1)]
-        outs = _finish(procs, timeout=120)
-        assert [o.strip().splitlines()[-1] for o in outs] == ["ok 0", "ok 1"], phase
+        outs = _finish(procs, timeout=240)  # a loaded machine; a healthy pair takes ~10 s
+        # gloo prints its own lines too, possibly after ours
+        assert all(f"ok {pid}" in out.splitlines() for pid, out in enumerate(outs)), (phase, outs)
     # Each process wrote its own shards: 4 blocks x 8 head shards, one file each.
     assert sum(len(files) for _, _, files in os.walk(folder)) >= 32

@@ -138,8 +138,12 @@ class KVConnector:
 
     def _digests(self, token_ids, salt, fingerprint=None) -> tuple[list[bytes], bytes]:
         data = _hashing.token_bytes(token_ids)
+        return self._chain(data, salt, fingerprint), data
+
+    def _chain(self, data: bytes, salt, fingerprint=None) -> list[bytes]:
+        """Block digests of token bytes `data` under `fingerprint` (default: the pool's)."""
         root = _hashing.root_hash(self.namespace, fingerprint or self.fingerprint, salt)
-        return _hashing.chain(root, data, self.block_size), data
+        return _hashing.chain(root, data, self.block_size)
 
     def block_hashes(self, token_ids, *, salt: str | bytes | None = None) -> list[str]:
         """Hex keys of every full block of `token_ids`, chained: block i's key covers all
@@ -149,9 +153,9 @@ class KVConnector:
     def lookup(self, token_ids, *, salt: str | bytes | None = None) -> int:
         """Leading tokens (a multiple of `block_size`) whose blocks are all stored (on a
         sharded pool: every shard this process holds)."""
-        n = None
-        for fingerprint in self._fingerprints(stores_only=False):
-            digests = self._digests(token_ids, salt, fingerprint)[0]
+        n, data = None, _hashing.token_bytes(token_ids)
+        for fingerprint in self._fingerprints():
+            digests = self._chain(data, salt, fingerprint)
             held = self._held([d.hex() for d in digests], stop_at_miss=True)
             got = held.index(False) if False in held else len(held)
             n = got if n is None else min(n, got)
@@ -161,11 +165,11 @@ class KVConnector:
         self._count("misses", len(digests) - n)
         return n * self.block_size
 
-    def _fingerprints(self, *, stores_only: bool) -> list[str]:
-        """The layouts this process's blocks are keyed under: the pool's, or per shard."""
+    def _fingerprints(self) -> list[str]:
+        """The layouts this process's blocks are keyed under: the pool's, or one per shard."""
         if self._shards is None:
             return [self.fingerprint]
-        return [g.fingerprint for g in self._shards.groups if g.stores or not stores_only]
+        return [g.fingerprint for g in self._shards.groups]
 
     def _held(self, keys: list[str], *, stop_at_miss: bool = False) -> list[bool]:
         """Per key, "stored, or being written by `store_async`" (pending keys as of now); the
@@ -236,18 +240,18 @@ class KVConnector:
         data = _hashing.token_bytes(token_ids)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
         if self._shards is None:
-            return self._snapshot_view(view, self.fingerprint, token_ids, slots, salt)
+            return self._snapshot_view(view, self.fingerprint, data, slots, salt)
         records, staging = [], []
         for group, replicas in _shards.shard_views(self._shards, view):
             if group.stores:
-                got = self._snapshot_view(replicas[0], group.fingerprint, token_ids, slots, salt)
+                got = self._snapshot_view(replicas[0], group.fingerprint, data, slots, salt)
                 records += got[0]
                 staging += got[1]
         return records, staging
 
-    def _snapshot_view(self, view: PoolView, fingerprint: str, token_ids, slots, salt):
+    def _snapshot_view(self, view: PoolView, fingerprint: str, data: bytes, slots, salt):
         """`_snapshot` of one pool or shard whose blocks are keyed under `fingerprint`."""
-        digests, data = self._digests(token_ids, salt, fingerprint)
+        digests = self._chain(data, salt, fingerprint)
         held = self._held([d.hex() for d in digests])
         missing = [i for i, h in enumerate(held) if not h]
         if not missing:
@@ -388,8 +392,8 @@ class KVConnector:
         data = _hashing.token_bytes(token_ids)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
         if self._shards is not None:
-            return self._load_shards(view, token_ids, slots, salt)
-        records, n_blocks = self._fetch(self.layout, self.fingerprint, token_ids, salt)
+            return self._load_shards(view, data, slots, salt)
+        records, n_blocks = self._fetch(self.layout, self.fingerprint, data, salt)
         self._count("hits", len(records))
         self._count("misses", n_blocks - len(records))
         if not records:
@@ -411,10 +415,10 @@ class KVConnector:
         self._count("bytes_loaded", sum(r.nbytes for r in records))
         return pool, n
 
-    def _fetch(self, layout, fingerprint: str, token_ids, salt) -> tuple[list[BlockRecord], int]:
+    def _fetch(self, layout, fingerprint: str, data: bytes, salt) -> tuple[list[BlockRecord], int]:
         """The verified records of the longest stored prefix under `fingerprint`, and the
         number of full blocks asked for."""
-        digests, data = self._digests(token_ids, salt, fingerprint)
+        digests = self._chain(data, salt, fingerprint)
         bs = self.block_size
         keys = [d.hex() for d in digests]
         self._wait_pending(keys)
@@ -429,11 +433,11 @@ class KVConnector:
             records.append(record)
         return records, len(digests)
 
-    def _load_shards(self, view: PoolView, token_ids, slots, salt):
+    def _load_shards(self, view: PoolView, data: bytes, slots, salt):
         """`load` of a sharded pool: the prefix every shard of this process holds, written
         into each replica's shard on its own device, then the global buffers rebuilt."""
         groups = _shards.shard_views(self._shards, view)
-        fetched = [self._fetch(g.layout, g.fingerprint, token_ids, salt) for g, _ in groups]
+        fetched = [self._fetch(g.layout, g.fingerprint, data, salt) for g, _ in groups]
         n_blocks = min(len(records) for records, _ in fetched)
         self._count("hits", n_blocks)
         self._count("misses", fetched[0][1] - n_blocks)
