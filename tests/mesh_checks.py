@@ -188,7 +188,8 @@ def check_degrees(rng) -> None:
     tokens, slots = np.arange(32), np.arange(1, 33)
     tp8 = make("mha", NamedSharding(jax.make_mesh((8,), ("tp",)), HEADS))
     tp8 = tp8.set_kv(0, slots, *values(tp8, "set_kv", 32, rng))
-    assert KVConnector(tp8, store).store(tp8, tokens, slots) == 16  # 2 blocks x 8 shards
+    with KVConnector(tp8, store) as conn:  # the background writer takes shard records too
+        assert conn.store_async(tp8, tokens, slots).result() == 16  # 2 blocks x 8 shards
     devices = np.array(jax.devices()[:4])
     tp4 = make("mha", NamedSharding(jax.sharding.Mesh(devices, ("tp",)), HEADS))
     for other in (tp4, make("mha", None)):
