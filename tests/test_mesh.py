@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,41 +24,44 @@ def _env() -> dict:
 
 
 def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, SCRIPT, *args],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    # Output goes to files, not pipes: a child is never blocked on a pipe nobody reads while
+    # `_finish` watches its peers.
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, *args], cwd=REPO, env=_env(), stdout=out, stderr=err, text=True
     )
+    proc.logs = (out, err)
+    return proc
+
+
+def _read(f) -> str:
+    f.seek(0)
+    text = f.read()
+    f.close()
+    return text
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Waits for every process; on a timeout or a failure kills the rest and fails the test
-    with each one's exit status and output tail. Returns their stdouts."""
-    outs, failed = [], False
+    """Waits for every process. As soon as one fails (or the deadline passes) the others are
+    killed, not left waiting on a dead peer, and the test fails with each one's exit status
+    and output tail. Returns their stdouts."""
     deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            out, err = proc.communicate()
-            err += f"\n(killed after {timeout} s)"
-        outs.append((proc.returncode, out, err))
-        failed = failed or proc.returncode != 0
-        if failed:  # a peer waiting on a dead process would only time out
-            for other in procs:
-                if other.poll() is None:
-                    other.kill()
-    if failed:
+    late = False
+    while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            late = time.monotonic() > deadline
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.1)
+    outs = [(p.wait(), _read(p.logs[0]), _read(p.logs[1])) for p in procs]
+    if late or any(rc != 0 for rc, _, _ in outs):
         report = "\n".join(
             f"process {i}: exit {rc}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-3000:]}"
             for i, (rc, out, err) in enumerate(outs)
         )
-        pytest.fail(report)
+        pytest.fail((f"(killed after {timeout} s)\n" if late else "") + report)
     return [out for _, out, _ in outs]
 
 

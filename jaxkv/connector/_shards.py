@@ -59,7 +59,7 @@ def placement(view: PoolView) -> jax.sharding.Sharding | None:
     """The sharding of a jaxkv pool whose buffers span several devices, else None."""
     if not isinstance(view.pool, PoolBase):
         return None
-    first = view.arrays(view.layout.parts[:1])[0][0]
+    first = view.pool.buffers(view.layout.parts[0].attr)[0]  # one pool sharding: any buffer
     if len(first.sharding.device_set) == 1:
         return None
     return first.sharding
