@@ -38,7 +38,9 @@ class ShardRule:
         `sharding`, the split that was expected and the one that came.
 
         A `NamedSharding` whose spec is longer than the buffer's rank with only unsplit axes
-        past it is trimmed (NSA's 2-d indexer buffer follows a 3-entry replicated spec); any
+        past it is trimmed (NSA's 2-d indexer buffer follows a 3-entry replicated spec), and a
+        shorter one is padded with unsplit axes (`PartitionSpec()` becomes one `None` per
+        axis); any
         other `jax.sharding.Sharding` is checked through the shard shape it gives; devices and
         `None` are placements, not splits, and pass as they are.
         """
@@ -55,11 +57,12 @@ class ShardRule:
                     names = entry if isinstance(entry, tuple) else (entry,)
                     parts = math.prod(mesh[n] for n in names)
                     self._check_split(axis, parts, name, shape, pool, f"mesh axis {entry!r}")
-            if len(spec) > len(shape):
+            if len(spec) != len(shape):
+                # One entry per axis, as jax writes the outputs of updates: a pool's buffers
+                # then compare equal to their sharding before and after every update.
+                full = (*spec[: len(shape)], *(None,) * (len(shape) - len(spec)))
                 return NamedSharding(
-                    sharding.mesh,
-                    PartitionSpec(*spec[: len(shape)]),
-                    memory_kind=sharding.memory_kind,
+                    sharding.mesh, PartitionSpec(*full), memory_kind=sharding.memory_kind
                 )
             return sharding
         if isinstance(sharding, jax.sharding.Sharding):

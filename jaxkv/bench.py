@@ -2,9 +2,9 @@
 
 Every comparison runs its contenders alternately (one call of each per round) and reports
 medians, so a slow moment of the machine hits all of them alike. Sections: pool updates,
-connector transfers, block hashing, allocators and `store_async`. `--json` writes every figure
-and each performance target with whether it held; `--plot` draws update time against pool
-size.
+connector transfers, a head-sharded pool on 8 devices, block hashing, allocators and
+`store_async`. `--json` writes every figure and each performance target with whether it held;
+`--plot` draws update time against pool size.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Sizes:
     prefix: int = 2048  # time to first token: the reused prefix
     new_tokens: int = 64  # time to first token: the new tail of each prompt
     remote_blocks: tuple[int, ...] = (1, 16, 64)  # store tiers: blocks per call
+    sharded: tuple[int, int, int] = (65536, 1024, 1024)  # 8 devices: pool, update T, store T
 
 
 FULL = Sizes()
@@ -65,6 +66,7 @@ TINY = Sizes(
     prefix=64,
     new_tokens=16,
     remote_blocks=(1, 4),
+    sharded=(1024, 64, 256),
 )
 
 
@@ -490,6 +492,115 @@ def _remote_row(pool, store, tier: str, blocks: int, block: int, quick: bool):
 
 
 # ---- hashing, allocators, async --------------------------------------------------------------
+
+
+# ---- sharded pools (8 virtual devices, in a child process) -------------------------------------
+
+_SHARDED_DEVICES = 8
+
+
+def bench_sharded(quick: bool, sizes: Sizes = FULL) -> dict:
+    """A head-sharded MHA pool on 8 devices against one device holding the same pool: update
+    time, and the bytes the connector reads per shard. Runs in a child interpreter whose CPU
+    platform has 8 virtual devices (the device count is fixed when jax starts); on CPU those
+    devices share the same cores, so the update times compare overheads, not parallel speed.
+    """
+    import subprocess
+
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={_SHARDED_DEVICES}",
+    }
+    code = f"import jaxkv.bench as b; b._sharded_child({quick!r}, {tuple(sizes.sharded)!r})"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        )
+    except subprocess.TimeoutExpired:
+        return {"skipped": "the 8-device child ran past 600 s"}
+    if proc.returncode != 0:
+        return {"skipped": f"the 8-device child failed: {proc.stderr.strip()[-500:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _sharded_child(quick: bool, sharded: tuple[int, int, int] = FULL.sharded) -> None:
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    size, t, store_t = sharded
+    if quick and sharded == FULL.sharded:
+        size, t = 16384, 256
+    mesh = jax.make_mesh((_SHARDED_DEVICES,), ("tp",))
+    heads = NamedSharding(mesh, PartitionSpec(None, "tp", None))
+    dims = dict(size=size, head_num=HEADS, head_dim=HEAD_DIM, layer_num=2)
+    pools = {"sharded": MHAPool.create(**dims, sharding=heads), "one": MHAPool.create(**dims)}
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((t, HEADS, HEAD_DIM)), jnp.bfloat16)
+    loc = jnp.asarray(rng.permutation(np.arange(1, size + 1))[:t].astype(np.int32))
+    step = jax.jit(lambda p, loc, k: p.set_kv(0, loc, k, k), donate_argnums=0)
+
+    def update(name):
+        def fn():
+            pools[name] = _ready(step(pools[name], loc, k))
+
+        return fn
+
+    times = interleaved(
+        {n: update(n) for n in pools}, rounds=20 if quick else 50, budget_s=5 if quick else 20
+    )
+    # Connector: store 64 blocks of 16 tokens from each pool; bytes read per shard.
+    tokens, slots = np.arange(store_t), np.arange(1, store_t + 1)
+    moved = {}
+    for name, pool in pools.items():
+        conn = KVConnector(pool, HostStore(1 << 30))
+        conn._give_back(conn._snapshot(pool, tokens, slots, None)[1])  # warm-up: compiles
+        t0 = time.perf_counter()
+        records, staging = conn._snapshot(pool, tokens, slots, None)
+        snap_s = time.perf_counter() - t0
+        per_shard: dict[str, int] = {}
+        for r in records:
+            per_shard[r.layout] = per_shard.get(r.layout, 0) + r.nbytes
+        conn._give_back(staging)
+        moved[name] = {
+            "shards": len(per_shard),
+            "bytes_total": sum(per_shard.values()),
+            "bytes_per_shard": max(per_shard.values()),
+            "snapshot_s": snap_s,
+        }
+    print(
+        json.dumps(
+            {
+                "skipped": None,
+                "devices": _SHARDED_DEVICES,
+                "pool_tokens": size,
+                "update_tokens": t,
+                "store_tokens": store_t,
+                "update_us": {n: s * 1e6 for n, s in times.items()},
+                "connector": moved,
+            }
+        )
+    )
+
+
+def _report_sharded(sh: dict) -> None:
+    if sh.get("skipped"):
+        print(f"\nsharded pool: skipped ({sh['skipped']})")
+        return
+    up, conn = sh["update_us"], sh["connector"]
+    print(
+        f"\nsharded pool (MHA {HEADS}x{HEAD_DIM} bf16, {sh['pool_tokens']} tokens, "
+        f"{sh['devices']} virtual CPU devices sharing the cores)"
+    )
+    print(
+        f"  jitted set_kv of {sh['update_tokens']} tokens: head-sharded {up['sharded']:.0f} us, "
+        f"one device {up['one']:.0f} us"
+    )
+    for name, row in conn.items():
+        print(
+            f"  store of {sh['store_tokens']} tokens, {name}: {row['shards']} shard(s), "
+            f"{row['bytes_per_shard']} bytes per shard of {row['bytes_total']} in all, "
+            f"snapshot {row['snapshot_s'] * 1e3:.1f} ms"
+        )
 
 
 def bench_hashing(quick: bool, sizes: Sizes = FULL) -> list[dict]:
@@ -919,6 +1030,7 @@ def _report(res: dict) -> None:
         cols,
     )
     _report_remote(res["remote"])
+    _report_sharded(res["sharded"])
     _print_table(
         f"hashing ({_label(res['hashing'][0]['tokens'])} tokens)",
         res["hashing"],
@@ -1104,6 +1216,7 @@ def run(
     res["updates"] = bench_updates(quick, sizes)
     res["connector"] = bench_connector(quick, sizes)
     res["remote"] = bench_remote(quick, sizes)
+    res["sharded"] = bench_sharded(quick, sizes)
     res["hashing"] = bench_hashing(quick, sizes)
     res["allocators"] = bench_allocators(quick)
     res["async"] = bench_async(quick, sizes)

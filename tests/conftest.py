@@ -433,6 +433,17 @@ def device_sharding():
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
+def python_env(env: dict | None = None) -> dict:
+    """The environment of a Python process a test starts: this one's, on CPU, with the
+    repository first on the path; `env` adds or overrides variables (`XLA_FLAGS` are added to
+    this process's, see the top of this file)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(env or {})
+    if "XLA_FLAGS" in env:
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, **env}
+
+
 def run_python(*args: str, timeout: float, env: dict | None = None, check: bool = True):
     """Runs `python *args` in a fresh interpreter at the repository root and returns the
     completed process (text stdout and stderr).
@@ -442,11 +453,7 @@ def run_python(*args: str, timeout: float, env: dict | None = None, check: bool 
     variables. With `check` a non-zero exit fails the test showing the child's output, and so
     does running past `timeout` seconds.
     """
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(env or {})
-    if "XLA_FLAGS" in env:  # added to this process's flags (see the top of this file)
-        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
-    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, **env}
+    full_env = python_env(env)
     cmd = [sys.executable, *args]
     shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in cmd)
     try:

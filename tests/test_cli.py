@@ -69,6 +69,10 @@ def test_bench_runs_every_section_and_target_and_writes_well_formed_json(tmp_pat
     assert remote["skipped"] or {
         r["store_round_trips"] for r in remote["rows"] if r["tier"] == "redis"
     } == {2}
+    sharded = res["sharded"]  # a head-sharded pool on 8 devices, or why it was skipped
+    if not sharded["skipped"]:
+        split, one = sharded["connector"]["sharded"], sharded["connector"]["one"]
+        assert split["bytes_per_shard"] * 8 == one["bytes_per_shard"] == split["bytes_total"]
     assert res["machine"]["backend"] and res["machine"]["device_kind"]
     assert res["serving"]["ttft"]["reused_tokens"] == bench.TINY.prefix
     assert all(r["jaxkv per layer"] > 0 for r in res["serving"]["decode"])

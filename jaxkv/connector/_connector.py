@@ -27,7 +27,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxkv._checks import int_arg, is_int
-from jaxkv.connector import _hashing
+from jaxkv.connector import _hashing, _shards
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord, Segment, is_block_of
 from jaxkv.connector._staging import StagingCache, pinned_device
@@ -81,13 +81,25 @@ class KVConnector:
             must be a positive multiple of the page size.
         namespace: separates models (or deployments) sharing one store.
         shard: which shard of a model this pool holds, for per-rank pools of tensor-parallel
-            deployments (e.g. "tp3of8"); jaxkv pools export full rows and keep "full".
+            deployments (e.g. "tp3of8"); jaxkv pools keep "full". A jaxkv pool placed over
+            several devices is moved shard by shard, each under its own coordinates (see
+            "Sharded pools" below).
         max_pending: `store_async` calls whose writes may be in flight at once (>= 1).
         strict: raise I/O errors of the store (`OSError`, after counting them) from `lookup`,
             `store`, `load`, and from `flush` and the futures of `store_async`. By default a
             failed read is a miss (the loaded prefix ends there) and a failed write is a
             dropped block, both counted in `stats()["io_errors"]` and logged on the `jaxkv`
             logger: a cache that fails must not fail the request it was meant to speed up.
+
+    Sharded pools: when `pool`'s buffers span several devices, `store`, `store_async`,
+    `lookup` and `load` run on the shards this process addresses, never gathering a buffer.
+    Each distinct shard is keyed under its coordinates (a head-sharded shard's layout names
+    its heads, e.g. "k.1=2:4/8,v.1=2:4/8"), so blocks stored at one tensor-parallel degree are
+    misses at another rather than wrong data; a shard holding whole rows (a replicated
+    buffer) keeps the one-device keys. Each shard is stored once, by the process holding its
+    replica 0, and loaded into every replica this process holds. A load copies the prefix
+    every shard of this process holds; across processes, agree on one length first (gather
+    each process's `lookup` and take `min_block_count`), then load that many tokens.
 
     Raises:
         UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes, or
@@ -129,6 +141,7 @@ class KVConnector:
         self.namespace = namespace
         self.layout = dataclasses.replace(view.layout, shard=str(shard))
         self.fingerprint = self.layout.fingerprint(self.block_size)
+        self._shards = _shards.plan(view, self.layout, self.block_size)
         self._staging = StagingCache()
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
@@ -159,10 +172,14 @@ class KVConnector:
 
     # ---- keys -----------------------------------------------------------------------------
 
-    def _digests(self, token_ids, salt) -> tuple[list[bytes], bytes]:
+    def _digests(self, token_ids, salt, fingerprint=None) -> tuple[list[bytes], bytes]:
         data = _hashing.token_bytes(token_ids)
-        root = _hashing.root_hash(self.namespace, self.fingerprint, salt)
-        return _hashing.chain(root, data, self.block_size), data
+        return self._chain(data, salt, fingerprint), data
+
+    def _chain(self, data: bytes, salt, fingerprint=None) -> list[bytes]:
+        """Block digests of token bytes `data` under `fingerprint` (default: the pool's)."""
+        root = _hashing.root_hash(self.namespace, fingerprint or self.fingerprint, salt)
+        return _hashing.chain(root, data, self.block_size)
 
     def block_hashes(
         self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
@@ -189,7 +206,8 @@ class KVConnector:
         self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
     ) -> int:
         """Leading tokens (a multiple of `block_size`) whose blocks are all stored, or being
-        written by `store_async`. Changes no data (a store may refresh recency).
+        written by `store_async` (on a sharded pool: by every shard this process holds).
+        Changes no data (a store may refresh recency).
 
         Args:
             token_ids: 1-D integer token ids.
@@ -203,14 +221,23 @@ class KVConnector:
             OSError: the store failed to answer, only when this connector or the store is
                 strict (otherwise the blocks it could not check count as missing).
         """
-        digests = self._digests(token_ids, salt)[0]
+        n, data = None, _hashing.token_bytes(token_ids)
         with strict_scope(self.strict):
-            held = self._held([d.hex() for d in digests], stop_at_miss=True)
-        n = held.index(False) if False in held else len(held)
+            for fingerprint in self._fingerprints():
+                digests = self._chain(data, salt, fingerprint)
+                held = self._held([d.hex() for d in digests], stop_at_miss=True)
+                got = held.index(False) if False in held else len(held)
+                n = got if n is None else min(n, got)
         self._count("lookups")
         self._count("lookup_hits", n)
         self._count("lookup_misses", len(digests) - n)
         return n * self.block_size
+
+    def _fingerprints(self) -> list[str]:
+        """The layouts this process's blocks are keyed under: the pool's, or one per shard."""
+        if self._shards is None:
+            return [self.fingerprint]
+        return [g.fingerprint for g in self._shards.groups]
 
     def _held(self, keys: list[str], *, stop_at_miss: bool = False) -> list[bool]:
         """Per key, "stored, or being written by `store_async`" (pending keys as of now); the
@@ -262,6 +289,7 @@ class KVConnector:
                 f"pool: expected the layout this connector was made for, got one that differs "
                 f"in {diffs}"
             )
+        _shards.check_placement(self._shards, view)
         return view
 
     def _slots(self, slots, n: int, rows: int, arg: str = "slots") -> np.ndarray:
@@ -302,6 +330,12 @@ class KVConnector:
             UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes.
         """
         view = self._view(pool)
+        if self._shards is not None and not self._shards.fully_addressable:
+            raise ValueError(
+                "pool: expected buffers this process can address whole for export_blocks (full "
+                "rows), got shards held by other processes; store and load move each "
+                "process's own shards"
+            )
         n = int(np.shape(slots)[0]) if np.ndim(slots) == 1 else -1
         if n < 0 or n % self.block_size:
             raise ValueError(
@@ -314,8 +348,21 @@ class KVConnector:
         """Records of the full blocks not yet stored (nor being written), copied to host, and
         the staging buffers they live in (give those back once the records are written)."""
         view = self._view(pool)
-        digests, data = self._digests(token_ids, salt)
+        data = _hashing.token_bytes(token_ids)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
+        if self._shards is None:
+            return self._snapshot_view(view, self.fingerprint, data, slots, salt)
+        records, staging = [], []
+        for group, replicas in _shards.shard_views(self._shards, view):
+            if group.stores:
+                got = self._snapshot_view(replicas[0], group.fingerprint, data, slots, salt)
+                records += got[0]
+                staging += got[1]
+        return records, staging
+
+    def _snapshot_view(self, view: PoolView, fingerprint: str, data: bytes, slots, salt):
+        """`_snapshot` of one pool or shard whose blocks are keyed under `fingerprint`."""
+        digests = self._chain(data, salt, fingerprint)
         with strict_scope(self.strict):
             held = self._held([d.hex() for d in digests])
         missing = [i for i, h in enumerate(held) if not h]
@@ -334,7 +381,7 @@ class KVConnector:
         records = [
             BlockRecord(
                 key=digests[i].hex(),
-                layout=self.fingerprint,
+                layout=fingerprint,
                 tokens=_hashing.block_digest(data[4 * i * bs : 4 * (i + 1) * bs]),
                 parts={key: arr[j] for key, arr in staged.items()},
                 source=None if segment is None else (segment, j),
@@ -385,7 +432,8 @@ class KVConnector:
 
         Returns:
             The number of blocks newly written (a block the store failed to write is not
-            counted; see `strict`).
+            counted; see `strict`); on a sharded pool, block records (one per shard of each
+            block) that this process wrote.
 
         Raises:
             RuntimeError: the connector is closed.
@@ -554,28 +602,17 @@ class KVConnector:
         """
         self._check_open()
         view = self._view(pool)
-        digests, data = self._digests(token_ids, salt)
+        data = _hashing.token_bytes(token_ids)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
-        bs = self.block_size
-        keys = [d.hex() for d in digests]
-        self._wait_pending(keys)
-        records: list[BlockRecord] = []
-        with strict_scope(self.strict):
-            got = self._call(
-                "read", lambda ks: self.backend.get_many(ks, stop_at_miss=True), keys, None
-            )
-        for i, record in enumerate(got or ()):
-            if record is None:
-                break
-            if not self._valid(record, data[4 * i * bs : 4 * (i + 1) * bs]):
-                self._count("verification_failures")
-                break
-            records.append(record)
         self._count("loads")
+        if self._shards is not None:
+            return self._load_shards(view, data, slots, salt)
+        records, n_blocks = self._fetch(self.layout, self.fingerprint, data, salt)
         self._count("hits", len(records))
-        self._count("misses", len(digests) - len(records))
+        self._count("misses", n_blocks - len(records))
         if not records:
             return pool, 0
+        bs = self.block_size
         n = len(records) * bs
         for g, (segment, group) in enumerate(self._load_groups(view, records)):
             if g:
@@ -591,6 +628,49 @@ class KVConnector:
         self._count("blocks_loaded", len(records))
         self._count("bytes_loaded", sum(r.nbytes for r in records))
         return pool, n
+
+    def _fetch(self, layout, fingerprint: str, data: bytes, salt) -> tuple[list[BlockRecord], int]:
+        """The verified records of the longest stored prefix under `fingerprint`, and the
+        number of full blocks asked for."""
+        digests = self._chain(data, salt, fingerprint)
+        bs = self.block_size
+        keys = [d.hex() for d in digests]
+        self._wait_pending(keys)
+        records: list[BlockRecord] = []
+        with strict_scope(self.strict):
+            got = self._call(
+                "read", lambda ks: self.backend.get_many(ks, stop_at_miss=True), keys, None
+            )
+        for i, record in enumerate(got or ()):
+            if record is None:
+                break
+            block = data[4 * i * bs : 4 * (i + 1) * bs]
+            if not self._valid(record, block, layout, fingerprint):
+                self._count("verification_failures")
+                break
+            records.append(record)
+        return records, len(digests)
+
+    def _load_shards(self, view: PoolView, data: bytes, slots, salt):
+        """`load` of a sharded pool: the prefix every shard of this process holds, written
+        into each replica's shard on its own device, then the global buffers rebuilt."""
+        groups = _shards.shard_views(self._shards, view)
+        fetched = [self._fetch(g.layout, g.fingerprint, data, salt) for g, _ in groups]
+        n_blocks = min(len(records) for records, _ in fetched)
+        self._count("hits", n_blocks)
+        self._count("misses", fetched[0][1] - n_blocks)
+        if not n_blocks:
+            return view.pool, 0
+        bs = self.block_size
+        rows = slots[: n_blocks * bs]
+        placed = _shards.placements(view)
+        written = {}
+        for (group, replicas), (records, _) in zip(groups, fetched):
+            for replica, device in zip(replicas, group.devices):
+                written[device] = self._write_staged(replica, records[:n_blocks], rows)
+            self._count("bytes_loaded", sum(r.nbytes for r in records[:n_blocks]))
+        self._count("blocks_loaded", n_blocks)
+        return _shards.rebuild(view, placed, written), n_blocks * bs
 
     def _load_groups(
         self, view: PoolView, records: list[BlockRecord]
@@ -636,14 +716,15 @@ class KVConnector:
                 staging.append(slot)
             return view.write(rows, staging, bs)
 
-    def _valid(self, record: BlockRecord, block_tokens: bytes) -> bool:
-        if record.layout != self.fingerprint:
+    def _valid(self, record: BlockRecord, block_tokens: bytes, layout=None, fingerprint=None):
+        layout = layout or self.layout
+        if record.layout != (fingerprint or self.fingerprint):
             return False
         if record.tokens != _hashing.block_digest(block_tokens):
             return False
-        if set(record.parts) != {p.key for p in self.layout.parts}:
+        if set(record.parts) != {p.key for p in layout.parts}:
             return False
-        for p in self.layout.parts:
+        for p in layout.parts:
             arr = record.parts[p.key]
             want = (self.layout.layer_num, self.block_size, *p.row_shape)
             if arr.shape != want or arr.dtype != p.bits_dtype:

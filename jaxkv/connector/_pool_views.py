@@ -73,13 +73,19 @@ class _JaxkvView(PoolView):
         )
 
     def write(self, slots, staging, block_size):
-        codecs = tuple(p.codec for p in self.layout.parts)
-        starts = block_starts(slots, block_size)
-        arrays = self.arrays()
-        staged = tuple(on_device(st, arrays[0][0]) for st in staging)
-        new = scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
-        jax.block_until_ready(new)  # the staging memory is reused once this returns
+        new = write_arrays(self.arrays(), self.layout.parts, slots, staging, block_size)
         return self.pool.with_buffers(**{p.attr: bufs for p, bufs in zip(self.layout.parts, new)})
+
+
+def write_arrays(arrays, parts: Sequence[Part], slots, staging, block_size: int):
+    """Scatters `staging` (one `StagingSlot` per part) at `slots` into `arrays` (per part,
+    per layer, donated) in one jitted call; returns the new arrays."""
+    codecs = tuple(p.codec for p in parts)
+    starts = block_starts(slots, block_size)
+    staged = tuple(on_device(st, arrays[0][0]) for st in staging)
+    new = scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
+    jax.block_until_ready(new)  # the staging memory is reused once this returns
+    return new
 
 
 class _ForeignView(PoolView):

@@ -39,8 +39,10 @@ def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndar
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
-def _xla_owned_staging(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, jax.Array]:
-    """A zeroed CPU jax array and a writable numpy view of its memory.
+def _xla_owned_staging(
+    shape: tuple[int, ...], dtype, device: jax.Device
+) -> tuple[np.ndarray, jax.Array]:
+    """A zeroed jax array on CPU `device` and a writable numpy view of its memory.
 
     Loads fill staging on the host and scatter it on the device. Importing numpy memory into
     XLA (DLPack) made XLA's worker threads hold the producer's deleter; when the thread pool
@@ -49,7 +51,7 @@ def _xla_owned_staging(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, jax.A
     deleter; jaxkv writes it only while no computation reads it (each scatter completes
     before the buffer is refilled) and never hands the array out.
     """
-    arr = jax.block_until_ready(jnp.zeros(shape, dtype))
+    arr = jax.block_until_ready(jnp.zeros(shape, dtype, device=device))
     raw = (ctypes.c_char * arr.nbytes).from_address(arr.unsafe_buffer_pointer())
     return np.frombuffer(raw, dtype=arr.dtype).reshape(shape), arr
 
@@ -148,13 +150,14 @@ class StagingCache:
         """Per-layer staging for a load into buffers like `like` (None: host buffers only)."""
         dtype = np.dtype(dtype)
         pinned = pinned_device(like)
-        xla = (
-            pinned is None
-            and like is not None
-            and len(like.sharding.device_set) == 1
-            and (next(iter(like.sharding.device_set)).platform == "cpu")
-        )
-        kind = ("pinned", pinned.id) if pinned is not None else ("xla" if xla else "host",)
+        one = like is not None and len(like.sharding.device_set) == 1
+        dev = next(iter(like.sharding.device_set)) if one else None
+        xla = pinned is None and dev is not None and dev.platform == "cpu"
+        # Keyed by device: each shard of a mesh scatters staging on its own device.
+        if pinned is not None:
+            kind = ("pinned", pinned.id)
+        else:
+            kind = ("xla", dev.id) if xla else ("host",)
         key = (*kind, layers, tuple(shape), dtype.str)
 
         def make():
@@ -163,7 +166,7 @@ class StagingCache:
                 return StagingSlot(tuple(h for h, _ in pairs), None, tuple(p for _, p in pairs))
             if not xla:
                 return StagingSlot(tuple(aligned_empty(shape, dtype) for _ in range(layers)), None)
-            pairs = [_xla_owned_staging(shape, dtype) for _ in range(layers)]
+            pairs = [_xla_owned_staging(shape, dtype, dev) for _ in range(layers)]
             return StagingSlot(tuple(h for h, _ in pairs), tuple(d for _, d in pairs))
 
         slot = self._take(key, make)

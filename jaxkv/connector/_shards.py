@@ -1,0 +1,199 @@
+"""Shard-local transfers for pools whose buffers span several devices.
+
+A pool placed over a mesh is moved shard by shard, never gathered: each distinct shard this
+process can address (one per head range for a head-sharded pool, the whole buffer for a
+replicated one) is treated as a pool of its own. Its blocks are keyed under a layout that names
+the shard's coordinates (`Part`s with the shard's row shape, `shard` saying which heads), so a
+store made at one tensor-parallel degree never serves another: a TP-8 shard holds heads 0:1 of 8,
+a TP-4 shard asks for heads 0:2 of 8, and the keys differ. A shard that holds every head (a
+replicated buffer, or a mesh axis of one device) keeps the unsharded layout, so its blocks are
+shared with one-device pools of the same model.
+
+Each shard is stored once, by the device holding its replica 0 (in a multi-process run exactly
+one process holds it); a load writes every replica this process addresses. Everything here runs
+on single-device arrays (`addressable_shards`) and rebuilds the global buffers with
+`jax.make_array_from_single_device_arrays`, so no process waits for another: callers that must
+load the same prefix on every process agree on its length first (`min_block_count`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxkv._pool_base import PoolBase
+from jaxkv.connector._layout import Layout, Part
+from jaxkv.connector._pool_views import PoolView, write_arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardGroup:
+    """One distinct shard of a pool and the devices of this process that hold it.
+
+    Attributes:
+        label: the shard's coordinates ("" when it holds whole rows).
+        layout: the pool's layout with this shard's row shapes and `shard` naming `label`.
+        fingerprint: `layout.fingerprint(block_size)`, the root of this shard's block keys.
+        devices: the addressable devices holding a replica of it.
+        stores: whether this process holds its replica 0 (and so stores it).
+    """
+
+    label: str
+    layout: Layout
+    fingerprint: str
+    devices: tuple[jax.Device, ...]
+    stores: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """The shards a connector moves for a pool placed with `sharding`."""
+
+    sharding: jax.sharding.Sharding
+    groups: tuple[ShardGroup, ...]
+    fully_addressable: bool
+
+
+def placement(view: PoolView) -> jax.sharding.Sharding | None:
+    """The sharding of a jaxkv pool whose buffers span several devices, else None."""
+    if not isinstance(view.pool, PoolBase):
+        return None
+    first = view.pool.buffers(view.layout.parts[0].attr)[0]  # one pool sharding: any buffer
+    if len(first.sharding.device_set) == 1:
+        return None
+    return first.sharding
+
+
+def _span(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(sl.indices(dim)[:2] for sl, dim in zip(index, shape))
+
+
+def _split_label(part: Part, span, shape) -> str:
+    """The split axes of one part's shard, e.g. "k.1=0:2/8" (heads 0 to 2 of 8)."""
+    return ",".join(
+        f"{part.key}.{axis}={lo}:{hi}/{dim}"
+        for axis, ((lo, hi), dim) in enumerate(zip(span, shape))
+        if (lo, hi) != (0, dim)
+    )
+
+
+def plan(view: PoolView, layout: Layout, block_size: int) -> ShardPlan | None:
+    """The shards of `view`'s pool this process moves, or None for a pool on one device."""
+    sharding = placement(view)
+    if sharding is None:
+        return None
+    per_device: dict[jax.Device, list] = {}
+    for p in layout.parts:
+        buf = view.arrays((p,))[0][0]
+        for shard in buf.addressable_shards:
+            span = _span(shard.index, buf.shape)
+            per_device.setdefault(shard.device, []).append((p, span, buf.shape, shard.replica_id))
+    groups: dict[str, list] = {}
+    for device, parts in per_device.items():
+        labels, new_parts = [], []
+        for p, span, shape, _ in parts:
+            label = _split_label(p, span, shape)
+            if label and (span[0] != (0, shape[0]) or not p.codec.token_major):
+                raise ValueError(
+                    f"pool: expected {p.attr} split along its row axes only, got a shard "
+                    f"covering {span} of {shape}"
+                )
+            rows = tuple(hi - lo for lo, hi in span[1:])
+            new_parts.append(dataclasses.replace(p, row_shape=rows) if label else p)
+            labels.append(label)
+        key = ",".join(x for x in labels if x)
+        entry = groups.setdefault(key, [tuple(new_parts), [], False])
+        entry[1].append(device)
+        entry[2] = entry[2] or parts[0][3] == 0
+    out = []
+    for label, (parts, devices, stores) in sorted(groups.items()):
+        shard = layout.shard
+        if label:
+            shard = label if shard == "full" else f"{shard}|{label}"
+        sub = dataclasses.replace(layout, parts=parts, shard=shard)
+        out.append(
+            ShardGroup(label, sub, sub.fingerprint(block_size), tuple(devices), bool(stores))
+        )
+    return ShardPlan(sharding, tuple(out), sharding.is_fully_addressable)
+
+
+class ShardView(PoolView):
+    """One device's shard of a pool's buffers, moved like a one-device pool's: `write` returns
+    the new per-part, per-layer arrays instead of a pool (see `rebuild`)."""
+
+    def __init__(self, pool, layout: Layout, arrays: tuple[tuple[jax.Array, ...], ...]):
+        super().__init__(pool, layout)
+        self._arrays = arrays
+        self._index = {p.key: i for i, p in enumerate(layout.parts)}
+
+    def host_layers(self, part):
+        return None
+
+    def arrays(self, parts=None):
+        if parts is None:
+            return self._arrays
+        return tuple(self._arrays[self._index[p.key]] for p in parts)
+
+    def write(self, slots, staging, block_size):
+        return write_arrays(self._arrays, self.layout.parts, slots, staging, block_size)
+
+
+def shard_views(plan_: ShardPlan, view: PoolView) -> list[tuple[ShardGroup, list[ShardView]]]:
+    """Per shard group, a view of each of its replicas on this process's devices."""
+    n_parts = len(view.layout.parts)
+    by_device: dict[jax.Device, list[list[jax.Array]]] = {}
+    for pi, layers in enumerate(view.arrays()):
+        for buf in layers:
+            for shard in buf.addressable_shards:
+                per_part = by_device.setdefault(shard.device, [[] for _ in range(n_parts)])
+                per_part[pi].append(shard.data)
+    return [
+        (
+            g,
+            [
+                ShardView(view.pool, g.layout, tuple(tuple(a) for a in by_device[d]))
+                for d in g.devices
+            ],
+        )
+        for g in plan_.groups
+    ]
+
+
+def placements(view: PoolView) -> list[list[tuple]]:
+    """Per part, per layer: the buffer's shape, sharding and addressable devices in shard
+    order; taken before a load donates the shards (`rebuild` needs them after)."""
+    return [
+        [(buf.shape, buf.sharding, [s.device for s in buf.addressable_shards]) for buf in layers]
+        for layers in view.arrays()
+    ]
+
+
+def rebuild(view: PoolView, placed: list[list[tuple]], written: dict[jax.Device, tuple]):
+    """The pool of `view` with each device's shard replaced by `written[device]` (per part,
+    per layer single-device arrays), as global arrays placed as `placed` says."""
+    changes = {}
+    for pi, (p, layers) in enumerate(zip(view.layout.parts, placed)):
+        changes[p.attr] = [
+            jax.make_array_from_single_device_arrays(
+                shape, sharding, [written[d][pi][li] for d in devices]
+            )
+            for li, (shape, sharding, devices) in enumerate(layers)
+        ]
+    return view.pool.with_buffers(**changes)
+
+
+def check_placement(plan_: ShardPlan | None, view: PoolView) -> None:
+    """`ValueError` when `view`'s pool is placed differently from the pool a connector was
+    made for (its shards would be keyed and moved for another placement)."""
+    got = placement(view)
+    want = None if plan_ is None else plan_.sharding
+    if want is None or got is None:
+        same = got is want
+    else:
+        same = got.is_equivalent_to(want, len(view.layout.parts[0].row_shape) + 1)
+    if not same:
+        raise ValueError(
+            f"pool: expected buffers placed as the pool this connector was made for "
+            f"({want or 'one device'}), got {got or 'one device'}"
+        )
