@@ -9,9 +9,10 @@ The references are written from the documented behaviour, independently of jaxkv
   in float32 (amax over the finite keys), keys = clip(x / scale) as fp8-e4m3, packed into
   SGLang's page layout.
 * `pack_latent_ref` / `unpack_latent_ref`: NSA's packed fp8 latent rows (any fp8 pool dtype):
-  per tile of 128 latent values scale = amax / 448 (finite values only) and codes = fp8-e4m3(clip(x * (1 / scale)))
-  in float32 (0 * inf taken as a zero of x's sign), then the float32 scales (little-endian),
-  then the rope as bfloat16 (saturating); readers return code * scale and the rope, float32.
+  per tile of 128 latent values scale = amax / 448 (finite values only) and codes =
+  fp8-e4m3(clip(x * (1 / scale))) in float32 (0 * inf taken as a zero of x's sign), then the
+  float32 scales (little-endian), then the rope as bfloat16 (saturating); readers return
+  code * scale and the rope, float32.
 
 Scaled writes, NSA scales and packed rows divide in float32. jaxkv's division is IEEE on every
 backend with subnormal inputs and results taken as zero (sign kept), as XLA:CPU's arithmetic has

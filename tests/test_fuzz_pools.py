@@ -39,7 +39,7 @@ from conftest import (
     quantize_index_ref,
     small,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import jaxkv
@@ -141,8 +141,8 @@ def _expected(pool, before, name, layer_id, loc, args, scales):
     keep = [t for t, s in enumerate(slots) if 0 <= s < pool.rows]
     rows = np.array([slots[t] for t in keep], np.int64)
     if name == "set_index_k":
-        records = quantize_index_ref(args[0])
-        want["index_k_with_scale_buffer"][li][rows] = _dequant_index(records, pool.index_head_dim)[keep]
+        keys = _dequant_index(quantize_index_ref(args[0]), pool.index_head_dim)
+        want["index_k_with_scale_buffer"][li][rows] = keys[keep]
     elif name == "set_mla_kv":
         bits = mla_rows_ref(pool, *args)
         want["kv_buffer"][li][rows] = latent_read_ref(pool, bits)[keep]
@@ -150,7 +150,10 @@ def _expected(pool, before, name, layer_id, loc, args, scales):
         bits = latent_rows_ref(pool, args[0], scales.get("k_scale"))
         want["kv_buffer"][li][rows] = latent_read_ref(pool, bits)[keep]
     else:
-        for buf, value, scale in (("k_buffer", args[0], "k_scale"), ("v_buffer", args[-1], "v_scale")):
+        for buf, value, scale in (
+            ("k_buffer", args[0], "k_scale"),
+            ("v_buffer", args[-1], "v_scale"),
+        ):
             if buf == "v_buffer" and name == "set_k":
                 continue
             bits = encode_ref(value, pool.dtype, scales.get(scale))
@@ -226,8 +229,15 @@ ARG_NAMES = {
     "set_mla_kv": ("k_nope", "k_rope"),
     "set_index_k": ("index_k",),
 }
-BAD_SCALES = [(0.0, ValueError), (-2.0, ValueError), (np.inf, ValueError), (np.nan, ValueError),
-              ("2", TypeError), ([1.0, 2.0], ValueError), (True, TypeError)]
+BAD_SCALES = [
+    (0.0, ValueError),
+    (-2.0, ValueError),
+    (np.inf, ValueError),
+    (np.nan, ValueError),
+    ("2", TypeError),
+    ([1.0, 2.0], ValueError),
+    (True, TypeError),
+]
 
 
 # ---- the fuzzers -----------------------------------------------------------------------------
@@ -260,7 +270,10 @@ def test_setters_are_right_or_refuse_and_change_nothing(data, which):
         named = "layer_id" if error else None
     elif spoil == "value":
         args, error, named = _spoil_value(draw, args, ARG_NAMES[name], rng)
-    scale_args = {"set_kv": ["k_scale"] + (["v_scale"] if kind == "mha" else []), "set_k": ["k_scale"]}
+    scale_args = {
+        "set_kv": ["k_scale"] + (["v_scale"] if kind == "mha" else []),
+        "set_k": ["k_scale"],
+    }
     if name in scale_args:
         arg = draw(st.sampled_from(scale_args[name]))
         if spoil == "scale":
@@ -273,12 +286,14 @@ def test_setters_are_right_or_refuse_and_change_nothing(data, which):
     try:
         new = getattr(pool, name)(layer_id, loc, *args, **scales)
     except EXPECTED_ERRORS as err:
+        event(f"{spoil}: {type(err).__name__}")
         assert error is not None and isinstance(err, error), f"unexpected {err!r}"
         assert named in str(err), f"{err!r} does not name {named}"
         assert not pool.consumed
         _assert_model(_model(pool), before)
         return
     assert error is None, f"expected {error.__name__} naming {named}, the call returned"
+    event(f"{spoil}: right result")
     assert pool.consumed
     with pytest.raises(jaxkv.ConsumedPoolError):
         pool.get_key_buffer(base.start_layer)
@@ -312,10 +327,12 @@ def test_readers_are_right_or_refuse(data, which):
     try:
         got = getattr(pool, name)(*args)
     except EXPECTED_ERRORS as err:
+        event(f"{spoil}: {type(err).__name__}")
         assert error is not None and isinstance(err, error), f"unexpected {err!r}"
         assert named in str(err), f"{err!r} does not name {named}"
         return
     assert error is None, f"expected {error.__name__} naming {named}, the call returned"
+    event(f"{spoil}: right result")
     li = int(layer_id) - pool.start_layer
     if name in ("get_mla_kv", "get_index_k"):
         slots = [int(s) for s in np.asarray(loc, object).reshape(-1)]
@@ -362,8 +379,10 @@ def test_create_is_right_or_refuses_naming_the_argument(data, kind):
     try:
         pool = cls.create(**args)
     except EXPECTED_ERRORS as err:
+        event(f"{spoiled}: {type(err).__name__}")
         assert spoiled in str(err) or (spoiled == "page_size" and "size" in str(err)), err
         return
+    event(f"{spoiled}: right result")
     for spec in pool.buffer_specs():
         assert len(pool.buffers(spec.name)) == pool.layer_num
         for buf in pool.buffers(spec.name):
