@@ -500,7 +500,7 @@ def _host_scalar(scale) -> tuple[np.dtype | None, tuple]:
     if isinstance(scale, (bool, np.bool_, str, bytes)):
         return None, ()
     arr = np.asarray(scale)
-    return (None if arr.dtype.kind not in "iuf" else arr.dtype), arr.shape
+    return arr.dtype, arr.shape
 
 
 def _as_array(value):

@@ -345,7 +345,14 @@ def test_bad_scales_are_named_and_change_nothing(kv, scale, error, match):
 def test_good_scales_of_every_kind_are_accepted(kv):
     pool = kv.make_pool("mha", jnp.float8_e4m3fn)
     k = np.full((1, 2, 4), 4.0, np.float32)
-    for scale in (2, np.float32(2.0), np.array(2.0), jnp.float32(2.0), np.int64(2)):
+    for scale in (
+        2,
+        np.float32(2.0),
+        np.array(2.0),
+        jnp.float32(2.0),
+        np.int64(2),
+        ml_dtypes.bfloat16(2),
+    ):
         pool = pool.set_k(0, np.array([1]), k, k_scale=scale)
         assert float(pool.get_key_buffer(0)[1, 0, 0].astype(jnp.float32)) == 2.0
 
