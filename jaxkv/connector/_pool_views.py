@@ -158,7 +158,7 @@ class _ForeignView(PoolView):
             jax_parts = [i for i, host in enumerate(direct) if host is None]
             if jax_parts:
                 layers = tuple(tuple(getattr(self.pool, parts[i].attr)) for i in jax_parts)
-                staged = tuple(on_device(staging[i], layers[0][0]) for i in jax_parts)
+                staged = tuple(on_device(staging[i], ls[0]) for i, ls in zip(jax_parts, layers))
                 codecs = tuple(parts[i].codec for i in jax_parts)
                 new = scatter_donated(layers, slots.astype(np.int32), starts, staged, codecs)
                 warn_if_copied([b for bufs in layers for b in bufs])
