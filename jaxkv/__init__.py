@@ -7,7 +7,7 @@ host or disk stores, bit-exact.
 
 from jaxkv._version import __version__
 from jaxkv.allocators import PagedAllocator, ReqToTokenPool, TokenAllocator
-from jaxkv.errors import UnsupportedKVCacheError
+from jaxkv.errors import ConsumedPoolError, CopyWarning, UnsupportedKVCacheError
 from jaxkv.pools import KOnlyPool, MHAPool, MLAPool, NSAPool
 
 # SGLang names, so code ported from SGLang reads the same.
@@ -30,4 +30,6 @@ __all__ = [
     "PagedAllocator",
     "ReqToTokenPool",
     "UnsupportedKVCacheError",
+    "ConsumedPoolError",
+    "CopyWarning",
 ]

@@ -11,6 +11,9 @@ replaced buffers when eager, or inline when already being traced, so a user's do
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -18,11 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _dtypes
+from jaxkv.errors import CopyWarning
 
 # fp8-e4m3 quantisation of NSA index keys: scale = max(amax, 1e-4) / 448 per token (DeepSeek
 # V3.2; SGLang floors amax so an all-zero token gets a usable scale instead of zero).
 FP8_E4M3_MAX = 448.0
 INDEX_AMAX_FLOOR = 1e-4
+
+
+def finite_amax(x: jax.Array) -> jax.Array:
+    """`max |x|` over the last axis (kept), counting only finite values: one inf or NaN would
+    otherwise make the scale inf or NaN and every other value of its group NaN or zero."""
+    return jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0), axis=-1, keepdims=True)
 
 
 def _drop_scatter(buf: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
@@ -110,9 +120,14 @@ class IndexCodec:
 
     def quantize(self, values: jax.Array) -> jax.Array:
         """float `(T, head_dim)` -> token records uint8 `(T, head_dim+4)`; the scale is
-        `max(amax, 1e-4) / 448`, so an all-zero token stores zero keys and scale 1e-4 / 448."""
+        `max(amax, 1e-4) / 448`, so an all-zero token stores zero keys and scale 1e-4 / 448.
+
+        Non-finite keys never spoil their token's finite ones: `amax` is taken over the finite
+        values only (`finite_amax`), an inf saturates to the code +-448 (it reads back as the
+        token's largest finite magnitude, or the floor) and a NaN stays NaN in its own key.
+        """
         x = values.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+        amax = finite_amax(x)
         scale = _dtypes.divide(jnp.maximum(amax, INDEX_AMAX_FLOOR), FP8_E4M3_MAX)
         q = jnp.clip(_dtypes.divide(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
         q = q.astype(jnp.float8_e4m3fn)
@@ -177,7 +192,41 @@ def apply_writes(
     if tracing(args):
         return _apply(*args, tuple(codecs))
     fn = _apply_donated if donate else _apply_copy
-    return fn(*args, tuple(codecs))
+    new = fn(*args, tuple(codecs))
+    if donate:
+        warn_if_copied(bufs)
+    return new
+
+
+def warn_if_copied(donated: Sequence[jax.Array]) -> None:
+    """Warns (`CopyWarning`) when a donated buffer survived the call that was given it.
+
+    XLA cannot reuse memory that something outside JAX still holds (a numpy view, a DLPack
+    export): the call then copies the whole buffer instead, silently. A donated buffer is
+    marked deleted when the call is dispatched, so a live one means that copy happened; asking
+    costs a Python call, no device work.
+    """
+    kept = [b for b in donated if not b.is_deleted()]
+    if kept:
+        warnings.warn(
+            f"{len(kept)} donated buffer(s) {[tuple(b.shape) for b in kept]} could not be reused "
+            "because something outside JAX holds their memory (a numpy view or a DLPack "
+            "export): the update copied them whole, O(pool) instead of O(tokens). Release such "
+            "views before updating",
+            CopyWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_stacklevel() -> int:
+    """The `stacklevel` that points a warning at the first frame outside jaxkv."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _read = jax.jit(lambda codec, buf, loc: codec.read(buf, loc), static_argnums=0)

@@ -17,9 +17,14 @@ so a reader gets `code * scale` back. Two choices of ours where SGLang's kernel 
   computes `0 * (1 / 0)`, a NaN (its GPU kernel then clamps that to a backend-dependent code).
   Any `0 * inf` of the product is taken as a zero of the value's sign.
 * Casts saturate, as every fp8 cast in jaxkv does: the rope part is cast to bfloat16 with
-  magnitudes above bfloat16's largest finite value set to it, and latent magnitudes above
-  float32's (a float64 input, an inf) to float32's, so a finite input never turns into inf or
-  NaN. SGLang's inputs are bfloat16 already: there is no difference for them.
+  magnitudes above bfloat16's largest finite value (inf included) set to it, so a finite input
+  never turns into inf or NaN. SGLang's inputs are bfloat16 already: there is no difference
+  for them.
+* Non-finite latent values never spoil their tile: the tile's amax is taken over its finite
+  values, an inf is stored as the code +-448 (it reads back as the tile's largest finite
+  magnitude: saturated) and a NaN stays NaN in its own element. SGLang's amax would be inf or
+  NaN and turn every value of the tile into NaN. Latent values beyond float32's range (float64
+  inputs; JAX without x64 holds float32) arrive as inf and saturate the same way.
 
 Quotients go through `_dtypes.divide`, so the scale and its reciprocal are the IEEE float32
 results on every backend.
@@ -37,7 +42,6 @@ from jaxkv import _dtypes, _kernels
 
 TILE = 128
 _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _saturate(x: jax.Array, limit: float) -> jax.Array:
@@ -81,8 +85,9 @@ class PackedFp8Codec(_kernels.RowCodec):
         """`k_nope (..., kv_lora_rank)` and `k_rope (..., qk_rope_head_dim)`, any float dtype,
         -> packed rows uint8 `(..., width)`."""
         lead = k_nope.shape[:-1]
-        x = _saturate(k_nope, _F32_MAX).reshape(*lead, -1, TILE)
-        scale = _dtypes.divide(jnp.max(jnp.abs(x), axis=-1, keepdims=True), _kernels.FP8_E4M3_MAX)
+        # An inf stays out of the tile's amax and lands on the code +-448 (clipped below).
+        x = k_nope.astype(jnp.float32).reshape(*lead, -1, TILE)
+        scale = _dtypes.divide(_kernels.finite_amax(x), _kernels.FP8_E4M3_MAX)
         inverse = _dtypes.divide(jnp.ones_like(scale), scale)
         q = x * jnp.broadcast_to(inverse, x.shape)
         # 0 * inf (a zero tile's scale is 0): a zero of x's sign, where SGLang gets NaN.

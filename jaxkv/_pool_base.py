@@ -20,6 +20,7 @@ import numpy as np
 from jaxkv import _dtypes, _kernels
 from jaxkv._checks import int_arg, is_int
 from jaxkv._sharding import REPLICATED, ShardRule
+from jaxkv.errors import ConsumedPoolError
 
 
 class Write(NamedTuple):
@@ -145,7 +146,8 @@ _CREATE_DOC = """Allocates a zeroed `{kind}`; every argument is keyword-only.
     Raises:
         ValueError: a bad size, dtype or sharding, naming the argument (NSA with an fp8
             dtype also needs `kv_lora_rank` a multiple of 128).
-        TypeError: a positional, unknown or missing argument.
+        TypeError: a positional, unknown or missing argument, or a `sharding` that is no
+            placement (not None, a device or a `jax.sharding.Sharding`).
     """
 
 
@@ -218,14 +220,32 @@ class PoolBase:
     def buffers(self, name: str) -> tuple[jax.Array, ...]:
         return getattr(self, name)
 
+    @property
+    def consumed(self) -> bool:
+        """Whether an eager donating update (or a connector load) has consumed this pool: its
+        buffers went to the pool that call returned, and every read or update through this
+        object raises `ConsumedPoolError`."""
+        return self.__dict__.get("_consumed", False)
+
+    def mark_consumed(self) -> None:
+        """Records that this pool's buffers were handed to a newer pool (a Python flag: no
+        device work). Not a dataclass field, so it never reaches the pytree or a trace."""
+        object.__setattr__(self, "_consumed", True)
+
     def layer_buffer(self, name: str, li: int) -> jax.Array:
         """Buffer `name` of local layer `li`, with a clear error if an update consumed it."""
+        where = f"{type(self).__name__}.{name}[{li}] (layer {self.start_layer + li})"
+        if self.consumed:
+            raise ConsumedPoolError(
+                f"{where}: this {type(self).__name__} was consumed by an earlier update, which "
+                "handed its buffers to the pool it returned: use the returned pool, or pass "
+                "donate=False to keep this one readable"
+            )
         buf = self.buffers(name)[li]
         if not isinstance(buf, jax.core.Tracer) and buf.is_deleted():
-            raise RuntimeError(
-                f"{type(self).__name__}.{name}[{li}] (layer {self.start_layer + li}) was donated "
-                "to the pool returned by an update: use that pool, or pass donate=False to "
-                "keep this one readable"
+            raise ConsumedPoolError(
+                f"{where} was donated to the pool returned by an update: use that pool, or pass "
+                "donate=False to keep this one readable"
             )
         return buf
 
@@ -331,9 +351,7 @@ class PoolBase:
         elif isinstance(loc, jax.Array):
             arr = loc
         else:
-            arr = np.asarray(loc)
-            if arr.dtype == object or arr.size == 0 and arr.dtype.kind == "f":
-                arr = arr.astype(np.int64)
+            arr = self._host_slots(loc)
         if not jnp.issubdtype(arr.dtype, jnp.integer):
             raise TypeError(f"loc: expected an integer array, got dtype {arr.dtype}")
         if arr.ndim != 1:
@@ -350,6 +368,27 @@ class PoolBase:
             arr = np.clip(arr, -1, self.rows).astype(np.int32)
         return arr
 
+    def _host_slots(self, loc) -> np.ndarray:
+        """`loc` given on the host (numpy, lists, Python ints) as a numpy array, or `TypeError` /
+        `ValueError` naming `loc`. Python ints beyond int64 (an object array) are clipped to
+        `[-1, rows]`, so they are dropped like any other out-of-range slot."""
+        if loc is None or isinstance(loc, (str, bytes, dict, set)):
+            raise TypeError(f"loc: expected an integer array of shape (T,), got {loc!r:.80}")
+        try:
+            arr = np.asarray(loc)
+        except (TypeError, ValueError) as err:  # ragged nesting, objects numpy cannot hold
+            raise ValueError(f"loc: expected an integer array of shape (T,), got {err}") from None
+        if arr.dtype == object:
+            flat = arr.reshape(-1)
+            bad = [v for v in flat if not is_int(v)]
+            if bad:
+                raise TypeError(f"loc: expected integer slots, got an entry {bad[0]!r:.80}")
+            clipped = [min(max(int(v), -1), self.rows) for v in flat]
+            return np.array(clipped, np.int64).reshape(arr.shape)
+        if arr.size == 0 and arr.dtype.kind == "f":  # `[]` is an empty slot list
+            return arr.astype(np.int64)
+        return arr
+
     @staticmethod
     def check_shape(arg: str, x, expected: tuple) -> None:
         """`ValueError` naming `arg` unless the shape of `x` (parts joined on the last axis
@@ -361,8 +400,26 @@ class PoolBase:
 
     @staticmethod
     def check_scale(arg: str, scale) -> None:
-        if scale is not None and np.ndim(scale) != 0:
-            raise ValueError(f"{arg}: expected a scalar scale, got shape {np.shape(scale)}")
+        """A scale is None or a real scalar, finite and positive (a zero, negative, inf or NaN
+        scale would store inf, NaN or flipped values). Host scales are checked by value; jax
+        arrays by dtype and shape only (reading their value would wait for the device)."""
+        if scale is None:
+            return
+        on_device = isinstance(scale, jax.Array)
+        try:
+            dtype, shape = (scale.dtype, scale.shape) if on_device else _host_scalar(scale)
+        except (TypeError, ValueError):
+            dtype, shape = None, ()
+        if dtype is None or not (
+            jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+        ):
+            raise TypeError(f"{arg}: expected a real scalar scale, got {scale!r:.80}")
+        if len(shape) != 0:
+            raise ValueError(f"{arg}: expected a scalar scale, got shape {tuple(shape)}")
+        if not on_device:
+            value = float(np.asarray(scale))
+            if not (np.isfinite(value) and value > 0):
+                raise ValueError(f"{arg}: expected a finite positive scale, got {value!r}")
 
     # ---- the write path -----------------------------------------------------------------
 
@@ -402,7 +459,13 @@ class PoolBase:
             [specs[w.buffer].codec for w in writes],
             donate=donate,
         )
-        return self.replace_layer(li, {w.buffer: b for w, b in zip(writes, new)})
+        pool = self.replace_layer(li, {w.buffer: b for w, b in zip(writes, new)})
+        if donate and not _kernels.tracing(new):
+            # The buffers went to `pool` (or, when XLA could not reuse them, were copied and
+            # reported): either way this object is spent, so no read or stray update through
+            # it can return stale rows or donate a buffer `pool` shares.
+            self.mark_consumed()
+        return pool
 
     def replace_layer(self, li: int, new_buffers: Mapping[str, jax.Array]):
         """A new pool with layer `li` of each named buffer replaced."""
@@ -420,8 +483,24 @@ class PoolBase:
         return _kernels.read_slots(self.spec(name).codec, buf, self.prepare_loc(loc))
 
     def read(self, name: str, layer_id: int) -> jax.Array:
-        """The whole buffer `name` of `layer_id` in the logical dtype."""
-        return _dtypes.decode(self.layer_buffer(name, self.layer_index(layer_id)), self.dtype)
+        """The whole buffer `name` of `layer_id` in the logical dtype.
+
+        Eagerly always a new array, never the pool's own buffer (a float32 pool's buffer is
+        already in the logical dtype): what a reader holds stays valid when a later update
+        donates the buffer, as the bitcast of every other dtype does. Under a trace no copy is
+        made (XLA fuses the view into its consumer).
+        """
+        buf = self.layer_buffer(name, self.layer_index(layer_id))
+        out = _dtypes.decode(buf, self.dtype)
+        return jnp.copy(out) if out is buf and not isinstance(buf, jax.core.Tracer) else out
+
+
+def _host_scalar(scale) -> tuple[np.dtype | None, tuple]:
+    """`(dtype, shape)` of a host scale; dtype None for what is no real number (bools, text)."""
+    if isinstance(scale, (bool, np.bool_, str, bytes)):
+        return None, ()
+    arr = np.asarray(scale)
+    return arr.dtype, arr.shape
 
 
 def _as_array(value):

@@ -70,6 +70,11 @@ class ShardRule:
             for axis, (whole, part) in enumerate(zip(shape, local)):
                 if part != whole:
                     self._check_split(axis, -(-whole // part), name, shape, pool, "the sharding")
+        elif sharding is not None and not isinstance(sharding, jax.Device):
+            raise TypeError(
+                f"sharding: expected None, a jax.Device or a jax.sharding.Sharding, got "
+                f"{sharding!r:.80}"
+            )
         return sharding
 
     def _check_split(self, axis: int, parts: int, name, shape, pool: str, over: str) -> None:

@@ -51,10 +51,13 @@ class _KeyedPool(PoolBase):
                 `[0, size + page_size)` are dropped (so `-1` pads). A slot repeated in one call
                 leaves that row holding one of its tokens' values (on accelerators possibly
                 mixed element by element); no other row is touched.
-            cache_k: any float array, converted to the pool dtype (fp8 saturates).
-            k_scale: optional scalar; `cache_k / k_scale` is stored.
-            donate: eagerly, hand the replaced buffer to the new pool (O(T)); `False` keeps the
-                old pool readable at O(pool) cost.
+            cache_k: any float array, converted to the pool dtype (fp8 saturates, inf
+                included; NaN is stored as NaN).
+            k_scale: optional finite positive scalar; `cache_k / k_scale` is stored.
+            donate: eagerly, hand the replaced buffer to the new pool (O(T)) and consume this
+                one (`ConsumedPoolError` on any later use; `CopyWarning` when a view held
+                outside JAX forced a full copy); `False` keeps the old pool readable at O(pool)
+                cost.
             check_bounds: eagerly, raise `IndexError` on the first out-of-range slot.
         """
         self.check_scale("k_scale", k_scale)
@@ -325,6 +328,7 @@ class NSAPool(_LatentPool):
     def set_index_k(self, layer_id, loc, index_k, *, donate=True, check_bounds=False) -> NSAPool:
         """Quantises `index_k (T, index_head_dim)` per token to fp8-e4m3 with scale
         `max(amax, 1e-4) / 448` (SGLang's floor) and packs keys and scales into each slot's
-        page."""
+        page. `amax` covers the token's finite keys: an inf key saturates to the code +-448 and
+        a NaN stays in its own key, never spoiling the others."""
         write = Write("index_k_with_scale_buffer", "index_k", index_k)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)

@@ -6,11 +6,13 @@ The references are written from the documented behaviour, independently of jaxkv
   taken in float32, clipped to +-finfo.max for fp8, cast with ml_dtypes (round to nearest even)
   and viewed as the store dtype.
 * `quantize_index_ref` / `index_pages_ref`: NSA indexer records, scale = max(amax, 1e-4) / 448
-  in float32, keys = clip(x / scale) as fp8-e4m3, packed into SGLang's page layout.
+  in float32 (amax over the finite keys), keys = clip(x / scale) as fp8-e4m3, packed into
+  SGLang's page layout.
 * `pack_latent_ref` / `unpack_latent_ref`: NSA's packed fp8 latent rows (any fp8 pool dtype):
-  per tile of 128 latent values scale = amax / 448 and codes = fp8-e4m3(clip(x * (1 / scale)))
-  in float32 (0 * inf taken as a zero of x's sign), then the float32 scales (little-endian),
-  then the rope as bfloat16 (saturating); readers return code * scale and the rope, float32.
+  per tile of 128 latent values scale = amax / 448 (finite values only) and codes =
+  fp8-e4m3(clip(x * (1 / scale))) in float32 (0 * inf taken as a zero of x's sign), then the
+  float32 scales (little-endian), then the rope as bfloat16 (saturating); readers return
+  code * scale and the rope, float32.
 
 Scaled writes, NSA scales and packed rows divide in float32. jaxkv's division is IEEE on every
 backend with subnormal inputs and results taken as zero (sign kept), as XLA:CPU's arithmetic has
@@ -266,10 +268,15 @@ def decode_ref(bits: np.ndarray, dtype) -> np.ndarray:
     return np.asarray(bits).view(jnp.dtype(dtype)).astype(np.float32)
 
 
+def finite_amax(x: np.ndarray) -> np.ndarray:
+    """max |x| over the last axis (kept) of the finite values only (0 when there are none)."""
+    return np.max(np.where(np.isfinite(x), np.abs(x), 0), axis=-1, keepdims=True)
+
+
 def quantize_index_ref(index_k) -> np.ndarray:
     """NSA records uint8 `(T, D + 4)`: fp8-e4m3 key bytes, then the float32 scale (LE)."""
     x = flush_subnormals(as_float32(index_k))
-    amax = np.max(np.abs(x), axis=-1, keepdims=True)
+    amax = finite_amax(x)  # inf saturates to code 448, NaN stays in its own key
     scale = flush_subnormals(np.maximum(amax, INDEX_AMAX_FLOOR) / E4M3_MAX)
     q = flush_subnormals(x / scale)
     keys = np.clip(q, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
@@ -286,10 +293,10 @@ def _saturate(x: np.ndarray, limit) -> np.ndarray:
 def pack_latent_ref(k_nope, k_rope) -> np.ndarray:
     """Packed NSA rows uint8 `(..., packed_width)` of latent `k_nope (..., L)` and `k_rope
     (..., R)`: fp8-e4m3 codes, one float32 scale per 128 latent values, bfloat16 rope."""
-    x = flush_subnormals(_saturate(as_float32(k_nope), np.finfo(np.float32).max))
+    x = flush_subnormals(as_float32(k_nope))
     lead = x.shape[:-1]
     tiles = x.reshape(*lead, -1, LATENT_TILE)
-    scale = flush_subnormals(np.max(np.abs(tiles), axis=-1, keepdims=True) / E4M3_MAX)
+    scale = flush_subnormals(finite_amax(tiles) / E4M3_MAX)  # inf -> code 448, NaN kept
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inverse = flush_subnormals(np.float32(1.0) / scale)
         q = flush_subnormals(tiles * inverse)

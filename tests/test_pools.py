@@ -930,7 +930,7 @@ def test_updates_never_mutate_their_inputs(kv, pool_kind):
     np.testing.assert_array_equal(loc, loc_copy)
 
 
-def test_donate_true_consumes_only_the_replaced_layer_buffers(kv, pool_setter):
+def test_donate_true_donates_only_the_replaced_layer_buffers(kv, pool_setter):
     pool_kind, setter_name = pool_setter
     written = kv.SETTERS[pool_kind][setter_name]
     old = _prefilled(kv, pool_kind)
@@ -956,12 +956,15 @@ def test_donate_true_consumes_only_the_replaced_layer_buffers(kv, pool_setter):
     }
     for name in written:
         for read in readers[name]:
-            with pytest.raises(RuntimeError):
+            with pytest.raises(jaxkv.ConsumedPoolError):
                 read(old)
             jax.block_until_ready(read(new))  # the new pool owns the buffer
-    # Other layers of the old pool stay readable and correct.
+    # The old pool is spent as a whole: its other layers (shared with the new pool, alive and
+    # unchanged above) are refused too, so no stray update can donate what the new pool holds.
+    with pytest.raises(jaxkv.ConsumedPoolError, match="consumed by an earlier update"):
+        old.get_key_buffer(0)
     key = kv.row_buffer_names(pool_kind)[0]
-    assert kv.same_bits(kv.host(old.get_key_buffer(0)).view(old.store_dtype), keep[key][0])
+    assert kv.same_bits(kv.host(new.get_key_buffer(0)).view(old.store_dtype), keep[key][0])
 
 
 def test_donate_false_keeps_the_old_pool_valid(kv, pool_kind):

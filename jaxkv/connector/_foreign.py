@@ -140,21 +140,33 @@ def read_rows(layer, codec, slots: np.ndarray, bits: np.dtype) -> np.ndarray:
             flat = buf.reshape(-1)
             return np.concatenate([flat[keys], flat[scales]], axis=-1)
         return buf[slots]
+    return _torch_rows(layer, codec, slots).cpu().numpy().view(bits)
+
+
+def _torch_rows(layer, codec, slots: np.ndarray):
+    """The entries at `slots` of a torch `direct_view`, gathered on its own device."""
     torch = _torch()
     dev = layer.device
     if not codec.token_major:
         keys, scales = _index_positions(codec, slots, layer.shape[0])
         flat = layer.reshape(-1)
-        rows = torch.cat(
+        return torch.cat(
             [flat[torch.from_numpy(keys).to(dev)], flat[torch.from_numpy(scales).to(dev)]], -1
         )
-    else:
-        rows = layer[torch.from_numpy(slots.astype(np.int64)).to(dev)]
-    return rows.cpu().numpy().view(bits)
+    return layer[torch.from_numpy(slots.astype(np.int64)).to(dev)]
 
 
-def write_rows(layer, codec, slots: np.ndarray, rows: np.ndarray) -> None:
-    """Writes raw-bit `rows (T, *row)` at `slots` into one `direct_view`, in place."""
+def save_rows(layer, codec, slots: np.ndarray):
+    """A copy of the entries at `slots` of one `direct_view`, kept where the layer lives (host
+    rows for numpy views, a device tensor for torch), that `write_rows` puts back."""
+    if isinstance(layer, np.ndarray):
+        return read_rows(layer, codec, slots, layer.dtype)
+    return _torch_rows(layer, codec, slots)
+
+
+def write_rows(layer, codec, slots: np.ndarray, rows) -> None:
+    """Writes raw-bit `rows (T, *row)` at `slots` into one `direct_view`, in place (`rows` a
+    numpy array, or for torch layers what `save_rows` kept)."""
     if isinstance(layer, np.ndarray):
         rows = rows.view(layer.dtype) if rows.dtype != layer.dtype else rows
         if not codec.token_major:
@@ -166,8 +178,11 @@ def write_rows(layer, codec, slots: np.ndarray, rows: np.ndarray) -> None:
         return
     torch = _torch()
     dev = layer.device
-    src = torch.from_numpy(np.ascontiguousarray(rows).view(_np_int(rows.dtype.itemsize)))
-    src = src.to(dev)
+    if is_torch(rows):
+        src = rows
+    else:
+        src = torch.from_numpy(np.ascontiguousarray(rows).view(_np_int(rows.dtype.itemsize)))
+        src = src.to(dev)
     if not codec.token_major:
         keys, scales = _index_positions(codec, slots, layer.shape[0])
         flat = layer.view(-1)

@@ -13,11 +13,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from jaxkv._kernels import warn_if_copied
 from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _foreign
 from jaxkv.connector._block_kernels import block_starts, scatter_donated
 from jaxkv.connector._layout import Layout, Part, describe
 from jaxkv.connector._staging import StagingSlot, on_device, to_host
+from jaxkv.errors import ConsumedPoolError
 
 
 def _device_array(x) -> jax.Array:
@@ -74,7 +76,9 @@ class _JaxkvView(PoolView):
 
     def write(self, slots, staging, block_size):
         new = write_arrays(self.arrays(), self.layout.parts, slots, staging, block_size)
-        return self.pool.with_buffers(**{p.attr: bufs for p, bufs in zip(self.layout.parts, new)})
+        pool = self.pool.with_buffers(**{p.attr: bufs for p, bufs in zip(self.layout.parts, new)})
+        self.pool.mark_consumed()  # its buffers went to `pool`, as an eager update's do
+        return pool
 
 
 def write_arrays(arrays, parts: Sequence[Part], slots, staging, block_size: int):
@@ -84,6 +88,7 @@ def write_arrays(arrays, parts: Sequence[Part], slots, staging, block_size: int)
     starts = block_starts(slots, block_size)
     staged = tuple(on_device(st, arrays[0][0]) for st in staging)
     new = scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
+    warn_if_copied([b for bufs in arrays for b in bufs])
     jax.block_until_ready(new)  # the staging memory is reused once this returns
     return new
 
@@ -91,7 +96,13 @@ def write_arrays(arrays, parts: Sequence[Part], slots, staging, block_size: int)
 class _ForeignView(PoolView):
     """SGLang-shaped objects. Buffers jaxkv moves itself (host memory, torch tensors on an
     accelerator) are written in place; jax buffers are replaced functionally (the object's
-    sequence is swapped for the new arrays, donated ones replaced in place on the device)."""
+    sequence is swapped for the new arrays, donated ones replaced in place on the device).
+
+    All or nothing: every part and layer is checked first (`_check_writable`); the in-place
+    parts are written next, keeping the rows they overwrite so a later failure puts them back;
+    every jax part then goes through one donated call, the last step that can fail, and the
+    attributes proven settable are swapped.
+    """
 
     def _check_writable(self) -> list:
         """Per part, its `host_layers` (None for jax parts), once every part and layer is known
@@ -117,34 +128,65 @@ class _ForeignView(PoolView):
                     f"{part.attr}: cannot write into {type(layers[0]).__name__} buffers on a "
                     "device; pass jax arrays, torch tensors, or host arrays numpy can write"
                 )
-            try:  # the functional path swaps the sequence: the attribute must be settable
-                setattr(self.pool, part.attr, layers)
-            except AttributeError as err:
-                raise TypeError(
-                    f"{part.attr}: {name} does not let its jax buffers be replaced ({err})"
-                ) from err
+            for li, buf in enumerate(layers):
+                if buf.is_deleted():
+                    raise ConsumedPoolError(
+                        f"{part.attr}[{li}]: {name}'s jax buffer was deleted (donated to an "
+                        "earlier call); give the load live buffers"
+                    )
+            self._check_settable(part.attr, layers)
         return direct
 
+    def _check_settable(self, attr: str, layers) -> None:
+        """`TypeError` unless `attr` takes a new sequence of buffers: the functional path swaps
+        it after donating the old buffers, when failing would leave deleted arrays behind. The
+        probe sets a fresh container like the one the write sets, then puts the original back."""
+        try:
+            setattr(self.pool, attr, _same_container(layers, layers))
+            setattr(self.pool, attr, layers)
+        except Exception as err:  # read-only property, frozen dataclass, namedtuple, a setter
+            raise TypeError(
+                f"{attr}: {type(self.pool).__name__} does not let its jax buffers be replaced "
+                f"({err})"
+            ) from err
+
     def write(self, slots, staging, block_size):
+        parts = self.layout.parts
         direct = self._check_writable()
         starts = block_starts(slots, block_size)
-        for part, st, host in zip(self.layout.parts, staging, direct):
-            layers = getattr(self.pool, part.attr)
-            if host is not None:
-                for li, buf in enumerate(host):
+        undo = []  # (layer view, codec, rows it held): what a failure puts back
+        try:
+            for part, st, host in zip(parts, staging, direct):
+                for li, buf in enumerate(host or ()):
                     rows = st.host[li] if st.host else to_host(st.device[li])
+                    undo.append((buf, part.codec, _foreign.save_rows(buf, part.codec, slots)))
                     _foreign.write_rows(buf, part.codec, slots, rows.reshape(-1, *rows.shape[2:]))
-                continue
-            staged = on_device(st, layers[0])
-            new = scatter_donated(
-                (tuple(layers),), slots.astype(np.int32), starts, (staged,), (part.codec,)
-            )[0]
-            jax.block_until_ready(new)
-            setattr(self.pool, part.attr, type(layers)(new) if isinstance(layers, list) else new)
+            jax_parts = [i for i, host in enumerate(direct) if host is None]
+            if jax_parts:
+                layers = tuple(tuple(getattr(self.pool, parts[i].attr)) for i in jax_parts)
+                staged = tuple(on_device(staging[i], ls[0]) for i, ls in zip(jax_parts, layers))
+                codecs = tuple(parts[i].codec for i in jax_parts)
+                new = scatter_donated(layers, slots.astype(np.int32), starts, staged, codecs)
+                warn_if_copied([b for bufs in layers for b in bufs])
+                jax.block_until_ready(new)
+        except BaseException:
+            for buf, codec, rows in reversed(undo):
+                _foreign.write_rows(buf, codec, slots, rows)
+            raise
+        for i, bufs in zip(jax_parts, new if jax_parts else ()):
+            attr = parts[i].attr
+            setattr(self.pool, attr, _same_container(getattr(self.pool, attr), bufs))
         return self.pool
+
+
+def _same_container(like, layers):
+    """`layers` in a sequence of `like`'s kind: a list stays a list, anything else a tuple."""
+    return list(layers) if isinstance(like, list) else tuple(layers)
 
 
 def view_of(pool) -> PoolView:
     """Describes `pool`: a jaxkv pool, or any object with SGLang's buffer attributes."""
+    if isinstance(pool, PoolBase) and pool.consumed:
+        pool.layer_buffer(pool.BUFFERS[0], 0)  # raises ConsumedPoolError, naming the pool
     view = _JaxkvView if isinstance(pool, PoolBase) else _ForeignView
     return view(pool, describe(pool))

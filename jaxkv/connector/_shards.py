@@ -180,7 +180,9 @@ def rebuild(view: PoolView, placed: list[list[tuple]], written: dict[jax.Device,
             )
             for li, (shape, sharding, devices) in enumerate(layers)
         ]
-    return view.pool.with_buffers(**changes)
+    pool = view.pool.with_buffers(**changes)
+    view.pool.mark_consumed()  # its shards were donated to `pool`'s, as an eager update's are
+    return pool
 
 
 def check_placement(plan_: ShardPlan | None, view: PoolView) -> None:

@@ -1,0 +1,390 @@
+"""All or nothing: failing pool calls and connector loads change nothing, consumed pools refuse
+every use, non-finite inputs follow one rule per dtype, and bad arguments are named.
+
+The fuzzer over every public pool call is tests/test_fuzz_pools.py; these are the cases it
+cannot reach: views held across an update, foreign pools whose attributes or buffers refuse a
+write, faults injected between the steps of a load.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.connector import HostStore, KVConnector, _pool_views
+
+SIZE, PAGE = 32, 4
+TOKENS = np.arange(16)
+SLOTS = np.arange(PAGE, PAGE + 16)
+
+
+# ---- consumed pools ---------------------------------------------------------------------------
+
+
+def _readers(pool, layer):
+    """Every public reader of `pool` that reads `layer` (as zero-argument callables)."""
+    loc = np.array([1])
+    calls = [lambda: pool.get_key_buffer(layer)]
+    if not isinstance(pool, jaxkv.KOnlyPool):
+        calls += [lambda: pool.get_value_buffer(layer), lambda: pool.get_kv_buffer(layer)]
+    if hasattr(pool, "kv_buffer"):
+        calls.append(lambda: pool.get_mla_kv(layer, loc))
+    if hasattr(pool, "index_k_with_scale_buffer"):
+        calls.append(lambda: pool.get_index_k(layer, loc))
+    return calls
+
+
+@pytest.mark.parametrize("hold_view", [False, True], ids=["plain", "view-held"])
+def test_a_consumed_pool_refuses_every_read_and_update(kv, pool_kind, pool_dtype, hold_view):
+    """Every dtype (float32 included), every layer (not only the replaced one), whether or not
+    a numpy view kept XLA from reusing the buffer: the old handle raises ConsumedPoolError."""
+    rng = np.random.default_rng(0)
+    old = kv.make_pool(pool_kind, pool_dtype)
+    setter = next(iter(kv.SETTERS[pool_kind]))
+    view = np.asarray(getattr(old, kv.buffer_names(pool_kind)[0])[0]) if hold_view else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new = kv.call_setter(old, setter, 0, np.array([1, 2]), rng)
+    copies = [w for w in caught if issubclass(w.category, jaxkv.CopyWarning)]
+    assert len(copies) == (1 if hold_view else 0)
+    if hold_view:
+        # Pointed at the caller's line, not at jaxkv's own code.
+        assert not copies[0].filename.startswith(os.path.dirname(jaxkv.__file__))
+    assert old.consumed and not new.consumed
+    for layer in (0, 1):
+        for read in _readers(old, layer):
+            with pytest.raises(jaxkv.ConsumedPoolError, match="consumed by an earlier update"):
+                read()
+        for name in kv.SETTERS[pool_kind]:
+            with pytest.raises(jaxkv.ConsumedPoolError, match="use the returned pool"):
+                kv.call_setter(old, name, layer, np.array([3]), rng)
+    for layer in (0, 1):  # the new pool is intact
+        for read in _readers(new, layer):
+            jax.block_until_ready(read())
+    del view
+
+
+def test_consumed_is_a_runtime_error_and_donate_false_consumes_nothing(kv):
+    rng = np.random.default_rng(1)
+    old = kv.make_pool("mha", jnp.float32)
+    kept = kv.call_setter(old, "set_kv", 0, np.array([1]), rng, donate=False)
+    assert not old.consumed
+    jax.block_until_ready(old.get_key_buffer(0))
+    kept.set_k(1, np.array([2]), np.ones((1, 2, 4), np.float32))
+    with pytest.raises(RuntimeError):  # what a deleted buffer raised before: still caught
+        kept.get_key_buffer(0)
+
+
+def test_float32_readers_return_a_copy_that_survives_the_next_update(kv, pool_kind):
+    """A float32 pool's buffer is already in the logical dtype; its readers still hand out a
+    new array, as the bitcast of every other dtype does, so a donation cannot delete it."""
+    rng = np.random.default_rng(2)
+    pool = kv.make_pool(pool_kind, jnp.float32)
+    pool = kv.fill_all(pool, pool_kind, 0, np.array([1, 2]), rng)
+    held = pool.get_key_buffer(0)
+    want = kv.host(held)
+    assert held is not pool.buffers(kv.row_buffer_names(pool_kind)[0])[0]
+    kv.fill_all(pool, pool_kind, 0, np.array([1, 2]), rng)
+    np.testing.assert_array_equal(kv.host(held), want)
+
+
+def test_a_stray_update_through_an_old_handle_cannot_break_the_new_pool(kv):
+    """The old pool shares layer 1 with the new one; an update of layer 1 through the old
+    handle would donate the new pool's buffer. It raises instead, and the new pool reads."""
+    rng = np.random.default_rng(3)
+    old = kv.make_pool("mha", jnp.float32)
+    new = kv.call_setter(old, "set_kv", 0, np.array([1]), rng)
+    with pytest.raises(jaxkv.ConsumedPoolError):
+        kv.call_setter(old, "set_kv", 1, np.array([1]), rng)
+    assert not new.buffers("k_buffer")[1].is_deleted()
+    jax.block_until_ready(new.get_kv_buffer(1))
+
+
+def test_a_dlpack_export_held_across_an_update_is_reported(kv):
+    pool = kv.make_pool("mha", jnp.bfloat16)
+    export = np.from_dlpack(pool.k_buffer[0])
+    with pytest.warns(jaxkv.CopyWarning, match="copied them whole"):
+        new = pool.set_k(0, np.array([1]), np.ones((1, 2, 4), np.float32))
+    assert not export.any()  # the export still holds the old (zero) rows
+    assert new.get_key_buffer(0)[1].astype(jnp.float32).tolist() == [[1.0] * 4] * 2
+    with pytest.raises(jaxkv.ConsumedPoolError):
+        pool.get_key_buffer(0)
+
+
+def test_a_connector_load_consumes_the_jaxkv_pool_it_writes(kv):
+    src = kv.make_pool("mha", jnp.bfloat16, size=SIZE, page_size=PAGE)
+    src = kv.fill_all(src, "mha", 0, SLOTS, np.random.default_rng(4), donate=False)
+    conn = KVConnector(src, HostStore(1 << 20))
+    assert conn.store(src, TOKENS, SLOTS) == 4
+    dst = kv.make_pool("mha", jnp.bfloat16, size=SIZE, page_size=PAGE)
+    view = np.asarray(dst.v_buffer[1])
+    with pytest.warns(jaxkv.CopyWarning):
+        new, n = conn.load(dst, TOKENS, SLOTS)
+    assert n == 16 and dst.consumed
+    for call in (lambda: dst.get_key_buffer(1), lambda: conn.load(dst, TOKENS, SLOTS)):
+        with pytest.raises(jaxkv.ConsumedPoolError):
+            call()
+    np.testing.assert_array_equal(kv.host(new.k_buffer[0])[SLOTS], kv.host(src.k_buffer[0])[SLOTS])
+    del view
+
+
+# ---- foreign pools: all or nothing -------------------------------------------------------------
+
+
+def _layers(rng, n=2):
+    return [rng.standard_normal((SIZE + PAGE, 2, 8)).astype(ml_dtypes.bfloat16) for _ in range(n)]
+
+
+class _Obj:
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+def _connector(rng):
+    src = _Obj(k_buffer=_layers(rng), v_buffer=_layers(rng), page_size=PAGE)
+    conn = KVConnector(src, HostStore(1 << 20))
+    assert conn.store(src, TOKENS, SLOTS) == 4
+    return conn
+
+
+def _bits(layers):
+    return [np.array(b).view(np.uint16) for b in layers]
+
+
+def _assert_unchanged(obj, before):
+    for attr, (ids, bits) in before.items():
+        layers = getattr(obj, attr)
+        assert [id(b) for b in layers] == ids, attr
+        assert not any(isinstance(b, jax.Array) and b.is_deleted() for b in layers), attr
+        for got, want in zip(_bits(layers), bits):
+            np.testing.assert_array_equal(got, want)
+
+
+def _state(obj):
+    return {
+        a: ([id(b) for b in getattr(obj, a)], _bits(getattr(obj, a)))
+        for a in ("k_buffer", "v_buffer")
+    }
+
+
+class _OnlySameSetter:
+    """A pool whose `v_buffer` setter accepts only the sequence it already holds (a setter that
+    validates): setting the attribute to itself succeeds, a new sequence is refused."""
+
+    page_size = PAGE
+
+    def __init__(self, k, v):
+        self.k_buffer, self._v = k, v
+
+    @property
+    def v_buffer(self):
+        return self._v
+
+    @v_buffer.setter
+    def v_buffer(self, value):
+        if value is not self._v:
+            raise AttributeError("v_buffer is fixed after construction")
+
+
+NT = collections.namedtuple("NT", "k_buffer v_buffer page_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenPool:
+    k_buffer: list
+    v_buffer: list
+    page_size: int = PAGE
+
+
+@pytest.mark.parametrize("make", ["namedtuple", "frozen", "same-only-setter"])
+def test_jax_buffers_that_cannot_be_reassigned_are_never_donated(make):
+    rng = np.random.default_rng(5)
+    conn = _connector(rng)
+    k, v = ([jnp.asarray(b) for b in _layers(rng)] for _ in range(2))
+    dst = {
+        "namedtuple": lambda: NT(k, v, PAGE),
+        "frozen": lambda: _FrozenPool(k, v),
+        "same-only-setter": lambda: _OnlySameSetter(k, v),
+    }[make]()
+    before = _state(dst)
+    with pytest.raises(TypeError, match="does not let its jax buffers be replaced"):
+        conn.load(dst, TOKENS, SLOTS)
+    _assert_unchanged(dst, before)
+
+
+def test_a_deleted_jax_layer_fails_the_load_before_any_part_is_donated():
+    rng = np.random.default_rng(6)
+    conn = _connector(rng)
+    dst = _Obj(
+        k_buffer=[jnp.asarray(b) for b in _layers(rng)],
+        v_buffer=[jnp.asarray(b) for b in _layers(rng)],
+        page_size=PAGE,
+    )
+    dst.v_buffer[1].delete()
+    k_before = (list(dst.k_buffer), _bits(dst.k_buffer))
+    with pytest.raises(jaxkv.ConsumedPoolError, match=r"v_buffer\[1\]"):
+        conn.load(dst, TOKENS, SLOTS)
+    assert dst.k_buffer == k_before[0] and not any(b.is_deleted() for b in dst.k_buffer)
+    for got, want in zip(_bits(dst.k_buffer), k_before[1]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_read_only_host_v_leaves_jax_k_untouched():
+    rng = np.random.default_rng(7)
+    conn = _connector(rng)
+    v = _layers(rng)
+    v[1].flags.writeable = False
+    dst = _Obj(k_buffer=[jnp.asarray(b) for b in _layers(rng)], v_buffer=v, page_size=PAGE)
+    before = _state(dst)
+    with pytest.raises(TypeError, match=r"v_buffer\[1\]: cannot write into a read-only"):
+        conn.load(dst, TOKENS, SLOTS)
+    _assert_unchanged(dst, before)
+
+
+def test_a_fault_in_the_device_step_puts_the_written_host_rows_back(monkeypatch):
+    """Host K is written in place before the jax V scatter; when that scatter fails (injected
+    here: a device error, out of memory), K's overwritten rows are restored."""
+    rng = np.random.default_rng(8)
+    conn = _connector(rng)
+    dst = _Obj(
+        k_buffer=_layers(rng), v_buffer=[jnp.asarray(b) for b in _layers(rng)], page_size=PAGE
+    )
+    before = _state(dst)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(_pool_views, "scatter_donated", fail)
+    with pytest.raises(RuntimeError, match="injected device fault"):
+        conn.load(dst, TOKENS, SLOTS)
+    _assert_unchanged(dst, before)
+
+
+# ---- non-finite inputs ------------------------------------------------------------------------
+
+
+def test_an_inf_index_key_saturates_and_spares_the_finite_keys(kv):
+    """One inf (or NaN) key must not turn its token's finite keys into NaN: the scale is taken
+    over the finite keys, an inf is stored as code +-448 (reads back as the largest finite
+    magnitude) and a NaN stays in its own key."""
+    pool = kv.make_pool("nsa", jnp.bfloat16)
+    x = np.tile(np.linspace(-3, 3, 8, dtype=np.float32), (3, 1))
+    x[0, 0], x[1, 7], x[2, 3] = np.inf, -np.inf, np.nan
+    got = np.asarray(pool.set_index_k(0, np.array([1, 2, 3]), x).get_index_k(0, [1, 2, 3]))
+    finite = np.isfinite(x)
+    ref = np.asarray(kv.quantize_index_ref(np.where(finite, x, 0)))
+    want = kv.decode_ref(ref[:, :8], jnp.float8_e4m3fn) * ref[:, 8:].copy().view("<f4")
+    np.testing.assert_array_equal(got[finite], want[finite])
+    np.testing.assert_allclose([got[0, 0], got[1, 7]], [3.0, -3.0], rtol=1e-6)
+    assert np.isnan(got[2, 3])
+
+
+def test_an_inf_latent_value_saturates_and_spares_its_packed_tile(kv):
+    pool = kv.make_pool("nsa", jnp.float8_e4m3fn)
+    rank = pool.kv_lora_rank
+    nope = np.linspace(-2, 2, 2 * rank, dtype=np.float32).reshape(2, 1, rank)
+    nope[0, 0, 5], nope[1, 0, 9] = np.inf, np.nan
+    rope = np.ones((2, 1, pool.qk_rope_head_dim), np.float32)
+    got_nope, _ = pool.set_mla_kv(0, np.array([1, 2]), nope, rope).get_mla_kv(0, [1, 2])
+    got = np.asarray(got_nope)
+    assert np.isnan(got).sum() == 1 and np.isnan(got[1, 0, 9])
+    amax = np.max(np.abs(np.where(np.isfinite(nope[0]), nope[0], 0)))
+    np.testing.assert_allclose(got[0, 0, 5], amax, rtol=1e-6)
+    assert np.isfinite(np.delete(got.reshape(-1), rank + 9)).all()
+
+
+def test_non_finite_values_follow_the_dtype_rule(kv, pool_dtype):
+    """fp8 pools saturate +-inf to +-finfo.max; 16- and 32-bit pools keep inf; NaN stays NaN;
+    finite inputs never become NaN."""
+    dtype = pool_dtype
+    pool = kv.make_pool("mha", dtype)
+    k = np.array([np.inf, -np.inf, np.nan, 1.5, -2.0, 1e30, 0.0, -1e-3], np.float32)
+    k = k.reshape(1, 2, 4)
+    got = np.asarray(pool.set_k(0, np.array([1]), k).get_key_buffer(0)[1].astype(jnp.float32))
+    big = float(ml_dtypes.finfo(dtype).max) if jnp.dtype(dtype).itemsize == 1 else np.inf
+    assert got.reshape(-1)[0] == big and got.reshape(-1)[1] == -big
+    assert np.isnan(got.reshape(-1)[2])
+    assert not np.isnan(got.reshape(-1)[3:]).any()
+
+
+# ---- arguments at the boundary ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scale, error, match",
+    [
+        (0.0, ValueError, "finite positive"),
+        (-1.0, ValueError, "finite positive"),
+        (np.inf, ValueError, "finite positive"),
+        (np.nan, ValueError, "finite positive"),
+        ("2", TypeError, "real scalar"),
+        (True, TypeError, "real scalar"),
+        (1j, TypeError, "real scalar"),
+        ([1.0, 2.0], ValueError, "scalar scale"),
+    ],
+)
+def test_bad_scales_are_named_and_change_nothing(kv, scale, error, match):
+    pool = kv.make_pool("mha", jnp.float8_e4m3fn)
+    k = np.ones((1, 2, 4), np.float32)
+    v = np.ones((1, 2, 3), np.float32)
+    with pytest.raises(error, match=f"v_scale: expected .*{match}"):
+        pool.set_kv(0, np.array([1]), k, v, v_scale=scale)
+    assert not pool.consumed
+    assert not np.asarray(pool.get_key_buffer(0).astype(jnp.float32)).any()
+
+
+def test_good_scales_of_every_kind_are_accepted(kv):
+    pool = kv.make_pool("mha", jnp.float8_e4m3fn)
+    k = np.full((1, 2, 4), 4.0, np.float32)
+    for scale in (
+        2,
+        np.float32(2.0),
+        np.array(2.0),
+        jnp.float32(2.0),
+        np.int64(2),
+        ml_dtypes.bfloat16(2),
+    ):
+        pool = pool.set_k(0, np.array([1]), k, k_scale=scale)
+        assert float(pool.get_key_buffer(0)[1, 0, 0].astype(jnp.float32)) == 2.0
+
+
+@pytest.mark.parametrize(
+    "loc, error, match",
+    [
+        (None, TypeError, "loc: expected an integer array"),
+        ("1", TypeError, "loc: expected an integer array"),
+        ([[1], [2, 3]], ValueError, "loc: expected an integer array"),
+        ([1, "a"], TypeError, "loc: expected an integer array, got dtype"),
+        (np.array([1, None], object), TypeError, "loc: expected integer slots"),
+        (np.array([1.0]), TypeError, "loc: expected an integer array"),
+        (np.array([[1]]), ValueError, r"loc: expected shape \(T,\)"),
+    ],
+)
+def test_bad_slots_are_named(kv, loc, error, match):
+    pool = kv.make_pool("mla", jnp.bfloat16)
+    with pytest.raises(error, match=match):
+        pool.set_k(0, loc, np.ones((1, 1, 8), np.float32))
+    assert not pool.consumed
+
+
+def test_python_ints_beyond_int64_are_dropped_like_other_out_of_range_slots(kv):
+    pool = kv.make_pool("mha", jnp.float32)
+    k = np.arange(16, dtype=np.float32).reshape(2, 2, 4)
+    new = pool.set_k(np.int64(1), [2**70, np.uint64(3)], k)
+    got = kv.host(new.get_key_buffer(1))
+    np.testing.assert_array_equal(got[3], k[1])
+    assert not np.delete(got, 3, axis=0).any()
+
+
+def test_a_sharding_that_is_no_placement_is_named():
+    with pytest.raises(TypeError, match="sharding: expected None, a jax.Device"):
+        jaxkv.MHAPool.create(size=8, head_num=1, head_dim=2, layer_num=1, sharding="x")
