@@ -283,6 +283,19 @@ def bench_updates(quick: bool, sizes: Sizes = FULL) -> list[dict]:
 # ---- connector -------------------------------------------------------------------------------
 
 
+def _filled_pool(rng, tokens: int, layers: int) -> tuple[MHAPool, np.ndarray]:
+    """A bf16 MHA pool of `4 * tokens` rows (page 16) whose rows `16 .. 16 + tokens` hold
+    random K and V in every layer, and those rows."""
+    pool = MHAPool.create(
+        size=4 * tokens, page_size=16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=layers
+    )
+    slots = np.arange(16, 16 + tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), jnp.bfloat16)
+    for layer in range(layers):
+        pool = pool.set_kv(layer, slots, x, x)
+    return pool, slots
+
+
 def bench_connector(quick: bool, sizes: Sizes = FULL) -> list[dict]:
     """Store and load throughput against memcpy (and, on accelerators, the pinned host link).
 
@@ -299,13 +312,7 @@ def bench_connector(quick: bool, sizes: Sizes = FULL) -> list[dict]:
     else:
         cases = [(tokens, layers, (16, 64, 256)) for layers in ((8,) if quick else (8, 32))]
     for tokens, layers, blocks in cases:
-        pool = MHAPool.create(
-            size=4 * tokens, page_size=16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=layers
-        )
-        slots = np.arange(16, 16 + tokens)
-        x = jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), jnp.bfloat16)
-        for layer in range(layers):
-            pool = pool.set_kv(layer, slots, x, x)
+        pool, slots = _filled_pool(rng, tokens, layers)
         for block in blocks:
             for store_kind in ("host", "disk"):
                 if store_kind == "disk" and quick and (accel or block != 16):
@@ -670,13 +677,7 @@ def bench_allocators(quick: bool) -> list[dict]:
 def bench_async(quick: bool, sizes: Sizes = FULL) -> dict:
     rng = np.random.default_rng(4)
     tokens, layers = sizes.connector_tokens, 8
-    pool = MHAPool.create(
-        size=4 * tokens, page_size=16, head_num=HEADS, head_dim=HEAD_DIM, layer_num=layers
-    )
-    slots = np.arange(16, 16 + tokens)
-    x = jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), jnp.bfloat16)
-    for layer in range(layers):
-        pool = pool.set_kv(layer, slots, x, x)
+    pool, slots = _filled_pool(rng, tokens, layers)
     nbytes = 2 * tokens * layers * HEADS * HEAD_DIM * 2
     conn = KVConnector(pool, HostStore(8 * nbytes), block_size=16)
     state = {"round": 0}

@@ -22,6 +22,7 @@ subnormals bit-exactly.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -480,3 +481,13 @@ def run_python(*args: str, timeout: float, env: dict | None = None, check: bool 
             f"stderr:\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops the programs a test file compiled once it is done: each worker otherwise holds
+    every executable of every file it ran (2.5 GB by the end). Files that compile the same
+    programs get them back from the run's shared compilation cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()

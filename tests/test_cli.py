@@ -45,6 +45,7 @@ def test_pool_walkthrough_example_verifies_every_pool():
         assert line.endswith("bit-exact, in place"), line
 
 
+@pytest.mark.slow  # every bench section, an 8-device child included
 def test_bench_runs_every_section_and_target_and_writes_well_formed_json(tmp_path, capsys):
     # Every section and target at toy sizes, in this process: `--quick` itself runs the same
     # code at 16K-1M-token pools (minutes, gigabytes), which is the bench's job, not a test's.

@@ -101,7 +101,10 @@ def test_two_processes_share_a_folder_within_its_capacity(tmp_path):
         time.sleep(0.005)
     stats = []
     for proc in procs:
-        out, err = proc.communicate()
+        # Not communicate(): it reads the pipes' file descriptors and would miss what the
+        # `readline` above already buffered (a fast worker's last line).
+        proc.wait(timeout=60)
+        out, err = proc.stdout.read(), proc.stderr.read()
         assert proc.returncode == 0, err
         stats.append(json.loads(out.splitlines()[-1]))
     record = os.path.getsize(_files(folder, ".kvb")[0])

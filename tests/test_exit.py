@@ -7,11 +7,13 @@ the last reference to the numpy memory during shutdown. Several short runs catch
 
 from pathlib import Path
 
+import pytest
 from conftest import run_python
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sglang_shaped_pools.py"
 
 
+@pytest.mark.slow  # six fresh interpreters
 def test_example_with_foreign_pools_exits_cleanly_every_time():
     for _ in range(6):
         proc = run_python(str(EXAMPLE), timeout=120)

@@ -63,6 +63,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     return [out for _, out, _ in outs]
 
 
+@pytest.mark.slow  # fresh 8-device interpreters
 def test_every_pool_kind_on_8_devices_matches_one_device(tmp_path):
     (out,) = _finish([_start("single", str(tmp_path / "hlo"))], timeout=300)
     assert out.strip().endswith("ok")
@@ -80,6 +81,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # fresh 8-device interpreters
 def test_two_processes_store_and_reload_a_prefix_shard_by_shard(tmp_path):
     folder = str(tmp_path / "store")
     for phase in ("store", "load"):

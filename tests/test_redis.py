@@ -132,6 +132,7 @@ def test_store_lookup_and_load_are_one_round_trip_each_whatever_the_block_count(
         assert (stored - start, looked - stored, trips() - looked) == (2, 1, 1), blocks
 
 
+@pytest.mark.slow  # a second interpreter
 def test_two_processes_share_a_prefix(server):
     """A child process (one serving host) stores a prompt; this one (another host) loads it."""
     prefix = f"hosts-{uuid.uuid4().hex[:8]}:"

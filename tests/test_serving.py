@@ -62,6 +62,7 @@ def test_prefix_reuse_from_host_store_equals_no_reuse(attention):
     engine.close()
 
 
+@pytest.mark.slow  # a second interpreter; the whole demo twice
 def test_prefix_reuse_from_a_disk_store_left_by_an_earlier_process(tmp_path):
     # An earlier process serves one request and exits; its DiskStore stays behind.
     child = textwrap.dedent(
@@ -179,6 +180,7 @@ def test_requests_beyond_the_batch_wait_and_get_the_same_tokens():
         np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
+@pytest.mark.slow  # a second interpreter; the whole demo twice
 def test_demo_prints_the_table_and_fails_when_a_check_fails(capsys, monkeypatch):
     small = DecoderConfig(**SMALL)
     assert demo.run(requests=3, new_tokens=3, config=small) == 0
