@@ -65,8 +65,9 @@ import jaxkv
 
 # Hypothesis examples per property test: "lean" (the default) keeps the whole suite within a
 # few minutes on 2 cores, the properties' explicit edge cases being tested on their own;
-# `--hypothesis-profile=thorough` runs ten times as many.
-settings.register_profile("lean", max_examples=20)
+# `--hypothesis-profile=thorough` runs over ten times as many. (12 rather than 20 took the
+# default run from 203 s to within its 3 minutes on the 2-core machine.)
+settings.register_profile("lean", max_examples=12)
 settings.register_profile("thorough", max_examples=200)
 settings.load_profile("lean")
 

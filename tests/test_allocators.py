@@ -675,7 +675,7 @@ def _allocator(draw):
     return PagedAllocator(size, p), size, p, False
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=25 * settings.default.max_examples, deadline=None)
 @given(st.data(), _allocator())
 def test_allocators_match_reference_model(data, alloc_spec):
     a, size, p, token_only = alloc_spec
