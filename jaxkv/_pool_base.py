@@ -143,6 +143,9 @@ _CREATE_DOC = """Allocates a zeroed `{kind}`; every argument is keyword-only.
             divisible by its size), MLA and NSA buffers are replicated.
         The kind's own sizes (head or latent sizes) are positive ints.
 
+    Returns:
+        The new pool, every buffer zero (its readers return zeros), placed by `sharding`.
+
     Raises:
         ValueError: a bad size, dtype or sharding, naming the argument (NSA with an fp8
             dtype also needs `kv_lora_rank` a multiple of 128).

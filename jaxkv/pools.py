@@ -17,15 +17,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxkv import _dtypes, _kernels, _packed_fp8
 from jaxkv._pool_base import BufferSpec, PoolBase, Write, pool_pytree
 from jaxkv._sharding import HEADS
 
 __all__ = ["MHAPool", "KOnlyPool", "MLAPool", "NSAPool"]
+
+# The setters return a pool of the type they were called on.
+_P = TypeVar("_P", bound=PoolBase)
 
 _NO_V_READ = "{cls} does not allocate V: it stores K only; use get_key_buffer({layer})"
 _NO_V_WRITE = (
@@ -42,8 +47,17 @@ class _KeyedPool(PoolBase):
         """The whole K buffer of `layer_id` (MLA/NSA: the latent rows), logical dtype."""
         return self.read(self.KEY_BUFFER, layer_id)
 
-    def set_k(self, layer_id, loc, cache_k, k_scale=None, *, donate=True, check_bounds=False):
-        """Writes K rows only: `cache_k (T, *row)` into rows `loc (T,)`; returns the new pool.
+    def set_k(
+        self: _P,
+        layer_id: int,
+        loc: ArrayLike,
+        cache_k: ArrayLike,
+        k_scale: ArrayLike | None = None,
+        *,
+        donate: bool = True,
+        check_bounds: bool = False,
+    ) -> _P:
+        """Writes K rows only: `cache_k (T, *row)` into rows `loc (T,)`.
 
         Args:
             layer_id: global layer id in `range(start_layer, start_layer + layer_num)`.
@@ -59,6 +73,18 @@ class _KeyedPool(PoolBase):
                 outside JAX forced a full copy); `False` keeps the old pool readable at O(pool)
                 cost.
             check_bounds: eagerly, raise `IndexError` on the first out-of-range slot.
+
+        Returns:
+            The new pool, of this pool's type, shapes and sharding.
+
+        Raises:
+            IndexError: `layer_id` outside the pool's layers, or (with `check_bounds`) a slot
+                outside `[0, size + page_size)`.
+            ValueError: a value or `loc` of the wrong shape, or a scale that is not finite and
+                positive.
+            TypeError: values that are not real numbers, non-integer `loc`, or a scale that is
+                not a real scalar.
+            ConsumedPoolError: this pool was consumed by an earlier update.
         """
         self.check_scale("k_scale", k_scale)
         write = Write(self.KEY_BUFFER, "cache_k", cache_k, k_scale)
@@ -116,18 +142,36 @@ class MHAPool(_HeadPool):
 
     def set_kv(
         self,
-        layer_id,
-        loc,
-        cache_k,
-        cache_v,
-        k_scale=None,
-        v_scale=None,
+        layer_id: int,
+        loc: ArrayLike,
+        cache_k: ArrayLike,
+        cache_v: ArrayLike,
+        k_scale: ArrayLike | None = None,
+        v_scale: ArrayLike | None = None,
         *,
-        donate=True,
-        check_bounds=False,
+        donate: bool = True,
+        check_bounds: bool = False,
     ) -> MHAPool:
         """Writes `cache_k (T, head_num, head_dim)` and `cache_v (T, head_num, v_head_dim)` at
-        `loc (T,)` in one call; see `set_k` for the arguments and rules."""
+        `loc (T,)` in one call (all or nothing).
+
+        Args:
+            layer_id, loc, donate, check_bounds: as for `set_k`.
+            cache_k, cache_v: K and V rows, any real dtype, converted to the pool dtype.
+            k_scale, v_scale: optional finite positive scalars dividing `cache_k`, `cache_v`.
+
+        Returns:
+            The new pool.
+
+        Raises:
+            IndexError: `layer_id` outside the pool's layers, or (with `check_bounds`) a slot
+                outside `[0, size + page_size)`.
+            ValueError: a value or `loc` of the wrong shape, or a scale that is not finite and
+                positive.
+            TypeError: values that are not real numbers, non-integer `loc`, or a scale that is
+                not a real scalar.
+            ConsumedPoolError: this pool was consumed by an earlier update.
+        """
         self.check_scale("k_scale", k_scale)
         self.check_scale("v_scale", v_scale)
         writes = [
@@ -156,6 +200,11 @@ class KOnlyPool(_HeadPool):
         raise NotImplementedError(_NO_V_READ.format(cls=type(self).__name__, layer=layer_id))
 
     def set_kv(self, layer_id, loc, cache_k, cache_v=None, k_scale=None, v_scale=None, **kw):
+        """Not available: a K-only pool stores no V.
+
+        Raises:
+            NotImplementedError: always, naming `set_k` (which writes K rows).
+        """
         raise NotImplementedError(_NO_V_WRITE.format(cls=type(self).__name__))
 
 
@@ -181,7 +230,7 @@ class _LatentPool(_KeyedPool):
     def get_kv_buffer(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
-    def get_mla_kv(self, layer_id: int, loc) -> tuple[jax.Array, jax.Array]:
+    def get_mla_kv(self, layer_id: int, loc: ArrayLike) -> tuple[jax.Array, jax.Array]:
         """`(k_nope (T, 1, kv_lora_rank), k_rope (T, 1, qk_rope_head_dim))` at slots `loc`;
         out-of-range slots read as zeros."""
         rows = self._decode_rows(self.read_slots("kv_buffer", layer_id, loc))
@@ -192,25 +241,68 @@ class _LatentPool(_KeyedPool):
         return _dtypes.decode(bits, self.dtype)
 
     def set_kv(
-        self,
-        layer_id,
-        loc,
-        cache_k,
-        cache_v=None,
-        k_scale=None,
-        v_scale=None,
+        self: _P,
+        layer_id: int,
+        loc: ArrayLike,
+        cache_k: ArrayLike,
+        cache_v: ArrayLike | None = None,
+        k_scale: ArrayLike | None = None,
+        v_scale: ArrayLike | None = None,
         *,
-        donate=True,
-        check_bounds=False,
-    ):
+        donate: bool = True,
+        check_bounds: bool = False,
+    ) -> _P:
         """Stores the latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; `cache_v`
-        and `v_scale` are ignored (K and V share the latent row, as in SGLang)."""
+        and `v_scale` are ignored (K and V share the latent row, as in SGLang).
+
+        Args:
+            layer_id, loc, cache_k, k_scale, donate, check_bounds: as for `set_k`.
+            cache_v, v_scale: ignored.
+
+        Returns:
+            The new pool.
+
+        Raises:
+            IndexError: `layer_id` outside the pool's layers, or (with `check_bounds`) a slot
+                outside `[0, size + page_size)`.
+            ValueError: a value or `loc` of the wrong shape, or a scale that is not finite and
+                positive.
+            TypeError: values that are not real numbers, non-integer `loc`, or a scale that is
+                not a real scalar.
+            ConsumedPoolError: this pool was consumed by an earlier update.
+        """
         del cache_v, v_scale
         return self.set_k(layer_id, loc, cache_k, k_scale, donate=donate, check_bounds=check_bounds)
 
-    def set_mla_kv(self, layer_id, loc, k_nope, k_rope, *, donate=True, check_bounds=False):
+    def set_mla_kv(
+        self: _P,
+        layer_id: int,
+        loc: ArrayLike,
+        k_nope: ArrayLike,
+        k_rope: ArrayLike,
+        *,
+        donate: bool = True,
+        check_bounds: bool = False,
+    ) -> _P:
         """Writes `k_nope (T, 1, kv_lora_rank)` and `k_rope (T, 1, qk_rope_head_dim)` as one
-        latent row per token."""
+        latent row per token.
+
+        Args:
+            layer_id, loc, donate, check_bounds: as for `set_k`.
+            k_nope, k_rope: the two parts of each latent row, any real dtype.
+
+        Returns:
+            The new pool.
+
+        Raises:
+            IndexError: `layer_id` outside the pool's layers, or (with `check_bounds`) a slot
+                outside `[0, size + page_size)`.
+            ValueError: a value or `loc` of the wrong shape, or a scale that is not finite and
+                positive.
+            TypeError: values that are not real numbers, non-integer `loc`, or a scale that is
+                not a real scalar.
+            ConsumedPoolError: this pool was consumed by an earlier update.
+        """
         shapes = (("k_nope", (1, self.kv_lora_rank)), ("k_rope", (1, self.qk_rope_head_dim)))
         write = Write("kv_buffer", "k_nope/k_rope", (k_nope, k_rope), part_shapes=shapes)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
@@ -289,9 +381,18 @@ class NSAPool(_LatentPool):
             return super().get_key_buffer(layer_id)
         return self._decode_rows(self.layer_buffer("kv_buffer", self.layer_index(layer_id)))
 
-    def set_k(self, layer_id, loc, cache_k, k_scale=None, *, donate=True, check_bounds=False):
-        """Writes latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; arguments as
-        for `MLAPool.set_k`.
+    def set_k(
+        self,
+        layer_id: int,
+        loc: ArrayLike,
+        cache_k: ArrayLike,
+        k_scale: ArrayLike | None = None,
+        *,
+        donate: bool = True,
+        check_bounds: bool = False,
+    ) -> NSAPool:
+        """Writes latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; arguments,
+        returns and raises as for `MLAPool.set_k`.
 
         Packed fp8 rows: float values are quantised per tile (SGLang's writer); raw packed rows,
         uint8 `(T, 1, kv_lora_rank + 4 * (kv_lora_rank // 128) + 2 * qk_rope_head_dim)`, are
@@ -305,9 +406,20 @@ class NSAPool(_LatentPool):
             layer_id, loc, cache_k, k_scale, donate=donate, check_bounds=check_bounds
         )
 
-    def set_mla_kv(self, layer_id, loc, k_nope, k_rope, *, donate=True, check_bounds=False):
+    def set_mla_kv(
+        self,
+        layer_id: int,
+        loc: ArrayLike,
+        k_nope: ArrayLike,
+        k_rope: ArrayLike,
+        *,
+        donate: bool = True,
+        check_bounds: bool = False,
+    ) -> NSAPool:
         """Writes `k_nope (T, 1, kv_lora_rank)` and `k_rope (T, 1, qk_rope_head_dim)` as one
-        latent row per token (packed fp8 rows: quantised per tile, rope as bfloat16)."""
+        latent row per token (packed fp8 rows: quantised per tile, rope as bfloat16); arguments,
+        returns and raises as for `MLAPool.set_mla_kv`, and `ValueError` for uint8 parts of a
+        packed row (pass whole packed rows to `set_k`)."""
         if self.packed_fp8:
             for arg, part in (("k_nope", k_nope), ("k_rope", k_rope)):
                 if getattr(part, "dtype", None) == jnp.uint8:
@@ -320,15 +432,38 @@ class NSAPool(_LatentPool):
             layer_id, loc, k_nope, k_rope, donate=donate, check_bounds=check_bounds
         )
 
-    def get_index_k(self, layer_id: int, loc) -> jax.Array:
+    def get_index_k(self, layer_id: int, loc: ArrayLike) -> jax.Array:
         """Dequantised index keys float32 `(T, index_head_dim)` at slots `loc`."""
         records = self.read_slots("index_k_with_scale_buffer", layer_id, loc)
         return self.spec("index_k_with_scale_buffer").codec.dequantize(records)
 
-    def set_index_k(self, layer_id, loc, index_k, *, donate=True, check_bounds=False) -> NSAPool:
+    def set_index_k(
+        self,
+        layer_id: int,
+        loc: ArrayLike,
+        index_k: ArrayLike,
+        *,
+        donate: bool = True,
+        check_bounds: bool = False,
+    ) -> NSAPool:
         """Quantises `index_k (T, index_head_dim)` per token to fp8-e4m3 with scale
         `max(amax, 1e-4) / 448` (SGLang's floor) and packs keys and scales into each slot's
         page. `amax` covers the token's finite keys: an inf key saturates to the code +-448 and
-        a NaN stays in its own key, never spoiling the others."""
+        a NaN stays in its own key, never spoiling the others.
+
+        Args:
+            layer_id, loc, donate, check_bounds: as for `set_k`.
+            index_k: the index keys, any real dtype, `(T, index_head_dim)`.
+
+        Returns:
+            The new pool.
+
+        Raises:
+            IndexError: `layer_id` outside the pool's layers, or (with `check_bounds`) a slot
+                outside the pool.
+            ValueError: `index_k` or `loc` of the wrong shape.
+            TypeError: `index_k` that is not real numbers, or non-integer `loc`.
+            ConsumedPoolError: this pool was consumed by an earlier update.
+        """
         write = Write("index_k_with_scale_buffer", "index_k", index_k)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
