@@ -46,7 +46,7 @@ import jaxkv
 
 T = 3  # tokens per call: fixed so compiled calls are shared between examples
 SETTINGS = settings(
-    max_examples=60,
+    max_examples=6 * settings.default.max_examples,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -364,7 +364,7 @@ CREATE_ARGS = {
 }
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=8 * settings.default.max_examples, deadline=None)
 @given(data=st.data(), kind=st.sampled_from(sorted(SETTERS)))
 def test_create_is_right_or_refuses_naming_the_argument(data, kind):
     cls = type(make_pool(kind))

@@ -172,7 +172,11 @@ _CALLS = {
 }
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=10 * settings.default.max_examples,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(st.data())
 def test_fuzz_allocators(data):
     kind = data.draw(st.sampled_from(["token", "paged", "req"]))
@@ -233,7 +237,11 @@ _TOKENS = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=6 * settings.default.max_examples,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
     st.sampled_from(["block_hashes", "lookup", "store", "load"]),
     _TOKENS,
