@@ -164,13 +164,7 @@ class MHAPool(_HeadPool):
             The new pool.
 
         Raises:
-            IndexError: `layer_id` outside the pool's layers, or (with `check_bounds`) a slot
-                outside `[0, size + page_size)`.
-            ValueError: a value or `loc` of the wrong shape, or a scale that is not finite and
-                positive.
-            TypeError: values that are not real numbers, non-integer `loc`, or a scale that is
-                not a real scalar.
-            ConsumedPoolError: this pool was consumed by an earlier update.
+            IndexError, ValueError, TypeError, ConsumedPoolError: as for `set_k`.
         """
         self.check_scale("k_scale", k_scale)
         self.check_scale("v_scale", v_scale)
@@ -263,13 +257,7 @@ class _LatentPool(_KeyedPool):
             The new pool.
 
         Raises:
-            IndexError: `layer_id` outside the pool's layers, or (with `check_bounds`) a slot
-                outside `[0, size + page_size)`.
-            ValueError: a value or `loc` of the wrong shape, or a scale that is not finite and
-                positive.
-            TypeError: values that are not real numbers, non-integer `loc`, or a scale that is
-                not a real scalar.
-            ConsumedPoolError: this pool was consumed by an earlier update.
+            IndexError, ValueError, TypeError, ConsumedPoolError: as for `set_k`.
         """
         del cache_v, v_scale
         return self.set_k(layer_id, loc, cache_k, k_scale, donate=donate, check_bounds=check_bounds)
@@ -295,13 +283,7 @@ class _LatentPool(_KeyedPool):
             The new pool.
 
         Raises:
-            IndexError: `layer_id` outside the pool's layers, or (with `check_bounds`) a slot
-                outside `[0, size + page_size)`.
-            ValueError: a value or `loc` of the wrong shape, or a scale that is not finite and
-                positive.
-            TypeError: values that are not real numbers, non-integer `loc`, or a scale that is
-                not a real scalar.
-            ConsumedPoolError: this pool was consumed by an earlier update.
+            IndexError, ValueError, TypeError, ConsumedPoolError: as for `set_k`.
         """
         shapes = (("k_nope", (1, self.kv_lora_rank)), ("k_rope", (1, self.qk_rope_head_dim)))
         write = Write("kv_buffer", "k_nope/k_rope", (k_nope, k_rope), part_shapes=shapes)
