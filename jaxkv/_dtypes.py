@@ -72,6 +72,7 @@ def encode(values: jax.Array, dtype: np.dtype, scale: jax.Array | None = None) -
 
 
 _TINY = float(np.finfo(np.float32).tiny)
+_QUIET_NAN = np.uint32(0x7FC00000)
 # Veltkamp's splitting constant for float32 (24-bit significands): 2**12 + 1.
 _SPLIT = 4097.0
 
@@ -88,6 +89,27 @@ def scale_applies(value_dtype, dtype) -> bool:
 def _flush(x: jax.Array) -> jax.Array:
     """Subnormals -> zero of the same sign; everything else (NaN and inf included) as is."""
     return jnp.where(jnp.abs(x) < _TINY, jnp.copysign(jnp.zeros_like(x), x), x)
+
+
+def canonical(x: jax.Array) -> jax.Array:
+    """A float32 result with the bits every backend agrees on: subnormals as zeros of their
+    sign, every NaN as the quiet NaN `0x7FC00000`.
+
+    Backends differ exactly there: XLA:CPU flushes subnormal inputs and results, XLA:GPU keeps
+    them; a NaN's sign and payload are whatever the hardware propagates (x86 keeps an operand's,
+    NVIDIA GPUs produce `0x7FFFFFFF`). The NaN test is on the integer bits, which no simplifier
+    folds away.
+    """
+    bits = _bits(_flush(x))
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return jax.lax.bitcast_convert_type(jnp.where(nan, _QUIET_NAN, bits), jnp.float32)
+
+
+def multiply(x, y) -> jax.Array:
+    """The IEEE float32 product `x * y` with the same bits on every backend: subnormal inputs
+    and results are zeros of their sign, NaN is `0x7FC00000` (see `canonical`)."""
+    x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+    return canonical(_flush(x) * _flush(y))
 
 
 def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -143,7 +165,7 @@ def divide(x, y) -> jax.Array:
     estimate, corrected from its exact residual (`correct_quotient`); the result's exponent is
     then assembled with integer arithmetic, which no backend rounds or flushes. Subnormal
     inputs and results are zero (sign kept) on every backend, as XLA:CPU's arithmetic has them;
-    zeros, infinities and NaN follow IEEE.
+    zeros and infinities follow IEEE, and every NaN result is the quiet NaN `0x7FC00000`.
     """
     x = _flush(jnp.asarray(x, jnp.float32))
     y = _flush(jnp.broadcast_to(jnp.asarray(y, jnp.float32), x.shape))
@@ -159,7 +181,7 @@ def divide(x, y) -> jax.Array:
     exact = jnp.where(e >= 255, np.uint32(0x7F800000), jnp.where(e <= 0, np.uint32(0), normal))
     exact = jax.lax.bitcast_convert_type(sign | exact, jnp.float32)
     regular = jnp.isfinite(x) & jnp.isfinite(y) & (x != 0) & (y != 0)
-    return _flush(jnp.where(regular, exact, plain))
+    return canonical(jnp.where(regular, exact, plain))
 
 
 def decode(bits: jax.Array, dtype: np.dtype) -> jax.Array:

@@ -26,8 +26,9 @@ so a reader gets `code * scale` back. Two choices of ours where SGLang's kernel 
   NaN and turn every value of the tile into NaN. Latent values beyond float32's range (float64
   inputs; JAX without x64 holds float32) arrive as inf and saturate the same way.
 
-Quotients go through `_dtypes.divide`, so the scale and its reciprocal are the IEEE float32
-results on every backend.
+Quotients go through `_dtypes.divide` and products through `_dtypes.multiply`, so scales,
+codes and read-back values are the same float32 bits on every backend (subnormals as zeros,
+one quiet NaN).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class PackedFp8Codec(_kernels.RowCodec):
         x = k_nope.astype(jnp.float32).reshape(*lead, -1, TILE)
         scale = _dtypes.divide(_kernels.finite_amax(x), _kernels.FP8_E4M3_MAX)
         inverse = _dtypes.divide(jnp.ones_like(scale), scale)
-        q = x * jnp.broadcast_to(inverse, x.shape)
+        q = _dtypes.multiply(x, jnp.broadcast_to(inverse, x.shape))
         # 0 * inf (a zero tile's scale is 0): a zero of x's sign, where SGLang gets NaN.
         q = jnp.where(jnp.isnan(q) & ~jnp.isnan(x), jnp.copysign(jnp.zeros_like(x), x), q)
         q = jnp.clip(q, -_kernels.FP8_E4M3_MAX, _kernels.FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
@@ -113,7 +114,7 @@ class PackedFp8Codec(_kernels.RowCodec):
         codes = codes.astype(jnp.float32).reshape(*lead, tiles, TILE)
         scale_bytes = rows[..., rank : rank + 4 * tiles].reshape(*lead, tiles, 4)
         scale = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
-        nope = (codes * scale[..., None]).reshape(*lead, rank)
+        nope = _dtypes.multiply(codes, scale[..., None]).reshape(*lead, rank)
         rope_bytes = rows[..., rank + 4 * tiles :].reshape(*lead, self.qk_rope_head_dim, 2)
         rope = jax.lax.bitcast_convert_type(rope_bytes, jnp.bfloat16).astype(jnp.float32)
         return jnp.concatenate([nope, rope], axis=-1)

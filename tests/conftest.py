@@ -232,11 +232,12 @@ def snapshot(pool, kind: str) -> dict[str, list[np.ndarray]]:
 
 
 def flush_subnormals(x) -> np.ndarray:
-    """float32 `x` with subnormals replaced by zeros of the same sign (jaxkv's division does
-    that on every backend)."""
+    """float32 `x` with subnormals replaced by zeros of the same sign and every NaN by the quiet
+    NaN 0x7FC00000 (jaxkv's division and products do that on every backend)."""
     x = np.asarray(x, np.float32)
     tiny = np.finfo(np.float32).tiny
-    return np.where(np.abs(x) < tiny, np.copysign(np.float32(0.0), x), x).astype(np.float32)
+    x = np.where(np.abs(x) < tiny, np.copysign(np.float32(0.0), x), x).astype(np.float32)
+    return np.where(np.isnan(x), np.uint32(0x7FC00000).view(np.float32), x)
 
 
 def as_float32(values) -> np.ndarray:
@@ -319,7 +320,7 @@ def unpack_latent_ref(rows, kv_lora_rank: int) -> np.ndarray:
     codes = rows[..., :kv_lora_rank].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     scale = np.ascontiguousarray(rows[..., kv_lora_rank : kv_lora_rank + 4 * tiles]).view("<f4")
     with np.errstate(invalid="ignore"):
-        nope = codes.reshape(*lead, tiles, LATENT_TILE) * scale[..., None]
+        nope = codes.reshape(*lead, tiles, LATENT_TILE) * flush_subnormals(scale)[..., None]
     nope = flush_subnormals(nope).reshape(*lead, kv_lora_rank)
     rope = np.ascontiguousarray(rows[..., kv_lora_rank + 4 * tiles :]).view(ml_dtypes.bfloat16)
     return np.concatenate([nope, rope.astype(np.float32)], axis=-1)

@@ -23,9 +23,11 @@ def _flush(x) -> np.ndarray:
 
 
 def _ieee(x, y) -> np.ndarray:
-    """numpy's IEEE quotient, with subnormal inputs and results flushed (sign kept)."""
+    """numpy's IEEE quotient, with subnormal inputs and results flushed (sign kept) and every
+    NaN the quiet NaN 0x7FC00000 (the sign and payload of a NaN are the hardware's own)."""
     with np.errstate(all="ignore"):
-        return _flush(_flush(x) / _flush(y))
+        q = _flush(_flush(x) / _flush(y))
+    return np.where(np.isnan(q), np.uint32(0x7FC00000).view(np.float32), q)
 
 
 def _same_bits(a, b) -> bool:
@@ -73,5 +75,33 @@ def test_divide_special_values_follow_ieee_with_subnormals_as_zero():
     for y in (0.37, 0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 1e-30, 3e38, -2.0):
         got = np.asarray(jax.jit(_dtypes.divide)(x, np.float32(y)))
         want = _ieee(x, np.full_like(x, y))
-        same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
-        assert same.all(), (y, got, want)
+        assert _same_bits(got, want), (y, got, want)  # one NaN, whatever the inputs' NaNs
+
+
+def _with_bits(*words) -> np.ndarray:
+    return np.array(words, np.uint32).view(np.float32)
+
+
+def test_nan_results_are_one_quiet_nan_whatever_the_operands_nans():
+    # x86 propagates an operand's NaN (sign and payload), NVIDIA GPUs return 0x7FFFFFFF: the
+    # library returns 0x7FC00000 for every NaN result, so the stored bits agree.
+    nans = _with_bits(0xFFC00000, 0x7FC00001, 0xFF800001, 0x7FFFFFFF)
+    quiet = np.full(4, 0x7FC00000, np.uint32)
+    for fn in (_dtypes.divide, _dtypes.multiply):
+        got = np.asarray(jax.jit(fn)(nans, np.float32(3.0))).view(np.uint32)
+        np.testing.assert_array_equal(got, quiet)
+    zero_by_zero = np.asarray(jax.jit(_dtypes.divide)(np.float32(0.0), np.float32(-0.0)))
+    assert zero_by_zero.view(np.uint32) == 0x7FC00000
+
+
+def test_products_treat_subnormal_inputs_and_results_as_zero():
+    # XLA:CPU flushes subnormals in hardware and XLA:GPU does not; `multiply` flushes them itself
+    # so both backends store the same bits.
+    sub = _with_bits(0x00000001, 0x80400000, 0x007FFFFF)  # subnormal inputs, signs kept
+    got = np.asarray(jax.jit(_dtypes.multiply)(sub, np.float32(2.0**100)))
+    np.testing.assert_array_equal(got.view(np.uint32), [0, 0x80000000, 0])
+    tiny = np.float32(TINY)
+    got = np.asarray(jax.jit(_dtypes.multiply)(np.array([tiny, -tiny]), np.float32(0.25)))
+    np.testing.assert_array_equal(got.view(np.uint32), [0, 0x80000000])  # subnormal results
+    x = np.random.default_rng(5).standard_normal(4096).astype(np.float32)
+    assert _same_bits(jax.jit(_dtypes.multiply)(x, np.float32(0.37)), x * np.float32(0.37))
