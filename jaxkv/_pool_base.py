@@ -158,6 +158,16 @@ _CREATE_DOC = """Allocates a zeroed `{kind}`; every argument is keyword-only.
 _COMMON_ARGS = ("size", "page_size", "dtype", "layer_num", "start_layer", "sharding")
 
 
+def _zeros(shape: tuple[int, ...], dtype, where) -> jax.Array:
+    """A zeroed buffer placed by `where`, committed to its device even when `where` is None
+    (the default device). An uncommitted buffer becomes committed the first time it meets a
+    committed array (a connector load's staging, for one), and jit keys its programs by
+    commitment: every jitted step holding the pool would then compile a second time, at a
+    later request (about 100 ms per program on a GPU)."""
+    x = jnp.zeros(shape, dtype, device=where)
+    return x if where is not None else jax.device_put(x, x.sharding)
+
+
 _NOT_CONCRETE = (
     "loc: check_bounds=True needs concrete slot values; under jax.jit out-of-range entries are "
     "dropped instead (pass check_bounds=False, or check loc before tracing)"
@@ -292,7 +302,7 @@ class PoolBase:
         ]
         return pool.with_buffers(
             **{
-                s.name: [jnp.zeros(shape, s.store_dtype, device=w) for _ in range(pool.layer_num)]
+                s.name: [_zeros(shape, s.store_dtype, w) for _ in range(pool.layer_num)]
                 for s, shape, w in zip(specs, shapes, where)
             }
         )

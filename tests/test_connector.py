@@ -513,6 +513,30 @@ def test_export_keeps_no_reference_to_live_buffers():
     assert np.asarray(pool.get_key_buffer(0))[1, 0, 0] == 2
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["cpu", "pinned"])
+def test_a_load_never_makes_a_jitted_step_compile_again(monkeypatch, pinned):
+    """jit keys its programs by whether arguments are committed to a device; a pool is
+    committed from `create` on, so a load (whose staging is committed) leaves every jitted step
+    holding the pool with the one program it had (a recompile costs a request ~100 ms on a
+    GPU). The pinned path is the accelerator's, run on CPU."""
+    from jaxkv.connector import _staging
+
+    monkeypatch.setattr(_staging, "PINNED_ON_CPU", pinned)
+    pool = _make_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
+    assert all(b.committed for b in pool.k_buffer + pool.v_buffer)
+    ones = jnp.ones((32, 2, 4), jnp.bfloat16)
+    step = jax.jit(lambda p, loc: p.set_kv(0, loc, ones, ones[..., :3]), donate_argnums=0)
+    conn = KVConnector(pool, HostStore(1 << 20))
+    tokens, slots = np.arange(32), np.arange(1, 33)
+    pool = step(pool, jnp.asarray(slots))
+    assert conn.store(pool, tokens, slots) == 2
+    for dst in (slots + 30, slots):
+        pool, n = conn.load(pool, tokens, dst)
+        assert n == 32
+        pool = step(pool, jnp.asarray(dst))
+    assert step._cache_size() == 1
+
+
 @pytest.mark.skipif(
     jax.default_backend() != "cpu",
     reason="control of the CPU mechanism: np.from_dlpack views host memory only, so a live "
