@@ -3,7 +3,7 @@
 Greedy generation through the pools (paged writes, reads through the request-to-token table,
 bucketed batches of requests with different lengths) must pick the same tokens as a forward
 pass that recomputes each whole sequence with no cache, and its logits must stay within a
-bound (`jaxkv.models.LOGIT_BOUNDS`: bf16 5e-3, fp8 5e-2). The reference rounds
+bound (`jaxkv.models.LOGIT_BOUNDS`: bf16 5e-3, fp8-e4m3 1e-1). The reference rounds
 K/V through the pool dtype as the pool stores them; against an exact float32 reference the
 differences are the cache dtype's own error, checked with a looser bound.
 """
