@@ -77,8 +77,9 @@ def test_bench_runs_every_section_and_target_and_writes_well_formed_json(tmp_pat
     assert res["machine"]["backend"] and res["machine"]["device_kind"]
     assert res["serving"]["ttft"]["reused_tokens"] == bench.TINY.prefix
     assert all(r["jaxkv per layer"] > 0 for r in res["serving"]["decode"])
-    # Updates: 5 targets on CPU, 4 on accelerators; connector 2; hashing 2; async 1; serving 2.
-    assert len(res["targets"]) == (12 if cpu else 11)
+    # Updates: 5 targets on CPU, 4 on accelerators; connector 2; hashing 2; async 1; serving 2
+    # on CPU, 1 on accelerators (the decode step's floor is the host's).
+    assert len(res["targets"]) == (12 if cpu else 10)
     for target in res["targets"]:
         assert isinstance(target["value"], float) and target["value"] > 0, target
         value, limit = target["value"], target["limit"]
