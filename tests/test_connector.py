@@ -513,6 +513,50 @@ def test_export_keeps_no_reference_to_live_buffers():
     assert np.asarray(pool.get_key_buffer(0))[1, 0, 0] == 2
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="the host-side block copy reads CPU buffers through numpy views; accelerators "
+    "gather on the device into pinned segments (tested on the pinned path)",
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e5m2, jnp.float32])
+def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, dtype):
+    """A CPU pool's blocks at contiguous slots are copied with numpy from views of the layer
+    buffers (no device gather, whose fresh output memory faulted in every page); runs of
+    blocks that are not adjacent, NaN payloads and every layer come back bit-exact, and no
+    view outlives the store (the next donated update stays in place)."""
+    from jaxkv.connector import _transfers
+
+    def no_device_gather(*args, **kwargs):
+        raise AssertionError("the device gather ran")
+
+    monkeypatch.setattr(_transfers, "gather_jit", no_device_gather)
+    monkeypatch.setattr(_transfers, "gather_layers_jit", no_device_gather)
+    pool = _make_pool("mha", size=256, page_size=4, dtype=dtype, layer_num=3)
+    rng = np.random.default_rng(11)
+    slots = np.concatenate([np.arange(8, 40), np.arange(100, 116), np.arange(60, 76)])
+    bits = np.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+    for layer in range(3):
+        # Raw bits in the pool's store dtype, NaN payloads among them.
+        k = rng.integers(0, np.iinfo(bits).max, (64, 2, 4), dtype=bits).view(pool.store_dtype)
+        v = rng.integers(0, np.iinfo(bits).max, (64, 2, 3), dtype=bits).view(pool.store_dtype)
+        pool = pool.set_kv(layer, slots, k, v)
+    want = [
+        (np.asarray(pool.k_buffer[i])[slots], np.asarray(pool.v_buffer[i])[slots]) for i in range(3)
+    ]
+    conn = KVConnector(pool, HostStore(1 << 20), block_size=16)
+    tokens = np.arange(64)
+    assert conn.store(pool, tokens, slots) == 4
+    assert conn._staging._idle_bytes > 0  # the staging went back for reuse
+    pointer = pool.k_buffer[0].unsafe_buffer_pointer()
+    pool = jax.jit(lambda p: p.set_kv(0, slots[:4], k[:4], v[:4]), donate_argnums=0)(pool)
+    assert pool.k_buffer[0].unsafe_buffer_pointer() == pointer
+    pool, n = conn.load(pool, tokens, slots + 120)
+    assert n == 64
+    for i, (k_want, v_want) in enumerate(want):
+        np.testing.assert_array_equal(np.asarray(pool.k_buffer[i])[slots + 120], k_want)
+        np.testing.assert_array_equal(np.asarray(pool.v_buffer[i])[slots + 120], v_want)
+
+
 @pytest.mark.parametrize("pinned", [False, True], ids=["cpu", "pinned"])
 def test_a_load_never_makes_a_jitted_step_compile_again(monkeypatch, pinned):
     """jit keys its programs by whether arguments are committed to a device; a pool is
