@@ -51,6 +51,25 @@ def mixed_requests(rng, new_tokens=5):
     return [Request(rng.integers(0, 256, n).astype(np.int32), new_tokens) for n in (23, 5, 40, 17)]
 
 
+_SERVED = {}
+
+
+def served(attention: str, page_size: int, dtype: str):
+    """`mixed_requests` served once per (attention, page size, pool dtype), with the model,
+    params and engine that served them: the tests that check a run share it rather than
+    compiling its steps again."""
+    key = (attention, page_size, dtype)
+    if key not in _SERVED:
+        model, params = small_model(attention)
+        requests = mixed_requests(np.random.default_rng(7))
+        engine = Engine(
+            model, params, pool_size=512, page_size=page_size, dtype=DTYPES[dtype],
+            max_batch=4, max_context=96,
+        )  # fmt: skip
+        _SERVED[key] = model, params, requests, engine, engine.generate(requests)
+    return _SERVED[key]
+
+
 # Every pair of (attention, page size, pool dtype) values appears once: each factor changes its
 # own part of the step, and every two of them meet (a full cross product compiles twice as many
 # engines for no further pairing).
@@ -59,14 +78,7 @@ def mixed_requests(rng, new_tokens=5):
     [("gqa", 1, "bf16"), ("gqa", 16, "fp8"), ("mla", 1, "fp8"), ("mla", 16, "bf16")],
 )
 def test_cached_generation_equals_uncached_reference(attention, page_size, dtype):
-    model, params = small_model(attention)
-    rng = np.random.default_rng(7)
-    requests = mixed_requests(rng)
-    engine = Engine(
-        model, params, pool_size=512, page_size=page_size, dtype=DTYPES[dtype],
-        max_batch=4, max_context=96,
-    )  # fmt: skip
-    results = engine.generate(requests)
+    model, params, requests, engine, results = served(attention, page_size, dtype)
     for req, res in zip(requests, results):
         assert res.tokens.shape == (req.max_new_tokens,)
         seq = np.concatenate([req.prompt, res.tokens[:-1]])
@@ -79,18 +91,16 @@ def test_cached_generation_equals_uncached_reference(attention, page_size, dtype
     assert engine.allocator.available_size() == 512
 
 
-@pytest.mark.parametrize("attention", ["gqa", "mla"])
-def test_cache_dtype_error_against_exact_float32(attention):
+# The bf16 runs of the cover above, one per attention variant (page sizes 1 and 16).
+@pytest.mark.parametrize("attention,page_size", [("gqa", 1), ("mla", 16)])
+def test_cache_dtype_error_against_exact_float32(attention, page_size):
     # Without rounding K/V in the reference, the difference is the pool dtype's own error:
     # measured up to 0.008 (bf16) on these models; the bound leaves room.
-    model, params = small_model(attention)
-    rng = np.random.default_rng(3)
-    req = Request(rng.integers(0, 256, 30).astype(np.int32), 6)
-    engine = Engine(model, params, pool_size=256, page_size=16, max_batch=1, max_context=64)
-    (res,) = engine.generate([req])
-    seq = np.concatenate([req.prompt, res.tokens[:-1]])
-    logits = reference(model, params, seq, None)[len(req.prompt) - 1 :]
-    np.testing.assert_allclose(res.logits, logits, rtol=0, atol=2e-2)
+    model, params, requests, _, results = served(attention, page_size, "bf16")
+    for req, res in zip(requests, results):
+        seq = np.concatenate([req.prompt, res.tokens[:-1]])
+        logits = reference(model, params, seq, None)[len(req.prompt) - 1 :]
+        np.testing.assert_allclose(res.logits, logits, rtol=0, atol=2e-2)
 
 
 def test_float32_pool_matches_exact_reference_closely():

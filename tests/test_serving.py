@@ -99,9 +99,11 @@ def test_decode_does_not_retrace_as_requests_come_and_go():
     rng = np.random.default_rng(2)
     engine = Engine(model, params, **ENGINE)
 
+    # Prompts of 70-79 tokens: prefills and decodes fall in the (token, context) buckets of
+    # the prefix-reuse tests (context 128), so the steps they compiled serve here too.
     def requests(arrivals, new_tokens):
         return [
-            Request(rng.integers(0, 256, 10 + 3 * i).astype(np.int32), n, arrival=a)
+            Request(rng.integers(0, 256, 70 + 3 * i).astype(np.int32), n, arrival=a)
             for i, (a, n) in enumerate(zip(arrivals, new_tokens))
         ]
 
@@ -138,12 +140,13 @@ def test_one_decode_step_writes_its_row_in_place():
     pool = engine.pool
     before = pointers(pool)
     # Row 1 maps positions 0..5 to slots 32..37: five cached tokens and the step's new one,
-    # written at slot 37; entry 1 is padding (row 0, its write dropped).
+    # written at slot 37; entry 1 is padding (row 0, its write dropped). Context 128: the
+    # bucket the other tests' decode steps compiled at this batch size.
     table = engine.req_to_token.write(1, 0, np.arange(32, 38)).req_to_token
     logits, pool = engine.steps(
         params, pool, table, np.array([1, 0], np.int32), np.array([[7], [0]], np.int32),
         np.array([5, 0], np.int32), np.array([1, 0], np.int32), np.array([[37], [-1]], np.int32),
-        ctx=16,
+        ctx=128,
     )  # fmt: skip
     assert pointers(pool) == before
     assert logits.shape == (2, model.cfg.vocab_size)
