@@ -39,7 +39,7 @@ from pathlib import Path
 # and both give IEEE results for the casts, divisions and integer work behind the bits the
 # pool tests check; transcendental functions (the models' exp and rsqrt) may differ in their
 # last bits, which the model tests' bounds cover. Set JAXKV_TEST_OPTIMIZE=1 to compile as
-# users do.
+# users do (CI runs the bit-exact pool, division and fp8 tests that way too).
 if os.environ.get("JAXKV_TEST_OPTIMIZE") != "1":
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
