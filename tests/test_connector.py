@@ -519,11 +519,14 @@ def test_export_keeps_no_reference_to_live_buffers():
     "gather on the device into pinned segments (tested on the pinned path)",
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e5m2, jnp.float32])
-def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, dtype):
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, tmp_path, dtype, tier):
     """A CPU pool's blocks at contiguous slots are copied with numpy from views of the layer
-    buffers (no device gather, whose fresh output memory faulted in every page); runs of
-    blocks that are not adjacent, NaN payloads and every layer come back bit-exact, and no
-    view outlives the store (the next donated update stays in place)."""
+    buffers, with no device gather (whose fresh output memory faulted in every page): straight
+    into memory a HostStore lends (nothing copied again), else into reused staging. Runs of
+    blocks that are not adjacent, NaN payloads and every layer come back bit-exact, and no view
+    outlives the store (the next donated update stays in place)."""
+    import jaxkv.connector.stores as stores_module
     from jaxkv.connector import _transfers
 
     def no_device_gather(*args, **kwargs):
@@ -531,6 +534,8 @@ def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, dtype
 
     monkeypatch.setattr(_transfers, "gather_jit", no_device_gather)
     monkeypatch.setattr(_transfers, "gather_layers_jit", no_device_gather)
+    if tier == "host":
+        monkeypatch.setattr(stores_module, "_copy_into", None)  # a store-side copy would raise
     pool = _make_pool("mha", size=256, page_size=4, dtype=dtype, layer_num=3)
     rng = np.random.default_rng(11)
     slots = np.concatenate([np.arange(8, 40), np.arange(100, 116), np.arange(60, 76)])
@@ -543,10 +548,12 @@ def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, dtype
     want = [
         (np.asarray(pool.k_buffer[i])[slots], np.asarray(pool.v_buffer[i])[slots]) for i in range(3)
     ]
-    conn = KVConnector(pool, HostStore(1 << 20), block_size=16)
+    store = HostStore(1 << 20) if tier == "host" else DiskStore(tmp_path)
+    conn = KVConnector(pool, store, block_size=16)
     tokens = np.arange(64)
     assert conn.store(pool, tokens, slots) == 4
-    assert conn._staging._idle_bytes > 0  # the staging went back for reuse
+    # Staging went back for reuse (disk); a HostStore's lent memory needed none.
+    assert (conn._staging._idle_bytes > 0) == (tier == "disk")
     pointer = pool.k_buffer[0].unsafe_buffer_pointer()
     pool = jax.jit(lambda p: p.set_kv(0, slots[:4], k[:4], v[:4]), donate_argnums=0)(pool)
     assert pool.k_buffer[0].unsafe_buffer_pointer() == pointer

@@ -9,6 +9,7 @@ and verification: no damaged, truncated or misplaced record file is ever loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -81,6 +82,60 @@ def _record(key: str, value: float, n: int = 4) -> BlockRecord:
     return BlockRecord(
         key=key, layout="L", tokens="T", parts={"k": np.full((1, n), value, np.float32)}
     )
+
+
+def _fill_lent(store: HostStore, count: int, value: float):
+    """`count` records of arena memory `store` lends (`_reserve`), filled with `value`."""
+    lent = store._reserve({"k": ((1, 4), np.float32)}, count)
+    assert lent is not None
+    arrays, reservation = lent
+    records = []
+    for i, parts in enumerate(arrays):
+        parts["k"][...] = value + i
+        records.append(BlockRecord(key=f"lent{value}-{i}", layout="L", tokens="T", parts=parts))
+    return records, reservation
+
+
+def test_host_store_keeps_lent_memory_it_filled_without_a_copy(monkeypatch):
+    """The connector copies CPU pool rows straight into memory the store lends: a record whose
+    parts are those very arrays is kept as it is, read-only, with nothing copied."""
+    import jaxkv.connector.stores as stores_module
+
+    store = HostStore(1 << 12)
+    records, reservation = _fill_lent(store, 2, 5.0)
+    monkeypatch.setattr(stores_module, "_copy_into", None)  # a copy would raise TypeError
+    assert store.put_many(records) == [True, True]
+    reservation.release()  # nothing left to give back
+    for i, record in enumerate(records):
+        got = store.get(record.key)
+        assert np.shares_memory(got.parts["k"], record.parts["k"])
+        assert not got.parts["k"].flags.writeable
+        np.testing.assert_array_equal(got.parts["k"], np.full((1, 4), 5.0 + i, np.float32))
+    # A record of other arrays (here a copy of lent memory) is copied as any other.
+    monkeypatch.undo()
+    other = dataclasses.replace(records[0], key="copy", parts={"k": records[0].parts["k"] + 0})
+    assert store.put(other) and not np.shares_memory(store.get("copy").parts["k"], other.parts["k"])
+
+
+def test_host_store_takes_back_lent_memory_no_put_kept():
+    """Lent memory counts against the capacity until it is put or released: an abandoned
+    store or a duplicate key gives it back, and later records fit without evicting."""
+    record_bytes = 16
+    store = HostStore(4 * record_bytes, preallocate_bytes=4 * record_bytes)
+    records, reservation = _fill_lent(store, 4, 1.0)
+    assert store._reserve({"k": ((1, 4), np.float32)}, 1) is None  # all of it is lent out
+    del records  # abandoned: nothing was put (memory a caller still holds is never reused)
+    reservation.release()
+    assert len(store) == 0 and store.memory_bytes == 4 * record_bytes
+    assert store.put(_record("lent2.0-0", 9.0))
+    records, reservation = _fill_lent(store, 2, 2.0)
+    assert store.put_many(records) == [False, True]  # the first key was already there
+    del records
+    reservation.release()  # the duplicate's memory comes back...
+    assert store.put(_record("a", 3.0)) and store.put(_record("b", 4.0))  # ...so both fit
+    assert len(store) == 4 and store.memory_bytes == 4 * record_bytes
+    np.testing.assert_array_equal(store.get("lent2.0-0").parts["k"], np.full((1, 4), 9.0))
+    np.testing.assert_array_equal(store.get("lent2.0-1").parts["k"], np.full((1, 4), 3.0))
 
 
 def test_host_store_capacity_must_be_positive():

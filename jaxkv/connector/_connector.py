@@ -32,6 +32,8 @@ from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord, Segment, is_block_of
 from jaxkv.connector._staging import StagingCache, pinned_device
 from jaxkv.connector._transfers import (
+    as_one_array,
+    copy_blocks_into_store,
     gather_blocks,
     gather_segment,
     segment_staging,
@@ -373,9 +375,14 @@ class KVConnector:
         # Accelerators: the transfer's pinned output becomes the records' memory (a segment
         # nobody reuses), so a store can keep it. Elsewhere the records are views of reused
         # staging, valid until `staging` is given back.
+        # A CPU pool's blocks go straight into memory a HostStore lends for them, which it
+        # then keeps without copying.
         segment = gather_segment(view, rows, bs)
+        direct = None if segment else copy_blocks_into_store(view, rows, bs, self.backend)
         if segment is not None:
             staged, staging = segment.host, []
+        elif direct is not None:
+            staged, staging = None, [direct[1]]
         else:
             staged, staging = stage_blocks(view, rows, bs, self._staging)
         records = [
@@ -383,7 +390,7 @@ class KVConnector:
                 key=digests[i].hex(),
                 layout=fingerprint,
                 tokens=_hashing.block_digest(data[4 * i * bs : 4 * (i + 1) * bs]),
-                parts={key: arr[j] for key, arr in staged.items()},
+                parts=direct[0][j] if staged is None else {k: a[j] for k, a in staged.items()},
                 source=None if segment is None else (segment, j),
             )
             for j, i in enumerate(missing)
@@ -452,8 +459,13 @@ class KVConnector:
             self._give_back(staging)
 
     def _give_back(self, staging) -> None:
+        """Returns staging buffers to the cache, and releases memory a store lent for the
+        records (what it kept is its own now)."""
         for buf in staging:
-            self._staging.give(buf)
+            if isinstance(buf, np.ndarray):
+                self._staging.give(buf)
+            else:
+                buf.release()
 
     def store_async(
         self,
@@ -711,8 +723,14 @@ class KVConnector:
                         self.layout.layer_num, (len(records), bs, *p.row_shape), p.bits_dtype, like
                     )
                 )
+                # Blocks a HostStore holds side by side (stored together) are one strided
+                # array: one copy per layer instead of a stack of every block.
+                blocks = as_one_array([r.parts[p.key] for r in records])
                 for li, host in enumerate(slot.host):
-                    np.stack([r.parts[p.key][li] for r in records], out=host)
+                    if isinstance(blocks, np.ndarray):
+                        host[...] = blocks[:, li]
+                    else:
+                        np.stack([r.parts[p.key][li] for r in records], out=host)
                 staging.append(slot)
             return view.write(rows, staging, bs)
 

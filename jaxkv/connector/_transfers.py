@@ -93,7 +93,67 @@ def _copy_blocks(layers: list[jax.Array], starts: np.ndarray, block_size: int, o
         # export would turn the pool's next donated update into a copy).
         src = np.from_dlpack(buf)
         for a, b, row in runs:
-            out[a:b, li] = src[row : row + (b - a) * block_size].reshape(out[a:b, li].shape)
+            rows = src[row : row + (b - a) * block_size]
+            out[a:b, li] = rows.reshape(b - a, block_size, *src.shape[1:])
+
+
+def copy_blocks_into_store(view: PoolView, slots: np.ndarray, block_size: int, store):
+    """Copies the blocks at `slots` of a CPU pool straight into memory `store` lends for them
+    (`HostStore._reserve`), for the store path: one host copy per block instead of a staging
+    copy and then the store's own.
+
+    Returns:
+        `(parts, reservation)`: per block, its parts (`(layer_num, block_size, *row)` each),
+        and the reservation to release once the records were put. None when this does not
+        apply (not a CPU pool of token-major buffers, blocks that are not contiguous runs of
+        slots, a store that lends no memory): stage the blocks instead.
+    """
+    reserve = getattr(store, "_reserve", None)
+    starts = block_starts(slots, block_size)
+    layers = _cpu_layers(view) if reserve is not None and starts is not None else None
+    if layers is None:
+        return None
+    parts = view.layout.parts
+    shapes = {p.key: ((len(layers[0]), block_size, *p.row_shape), p.bits_dtype) for p in parts}
+    lent = reserve(shapes, len(starts))
+    if lent is None:
+        return None
+    blocks, reservation = lent
+    for part, bufs in zip(parts, layers):
+        _copy_blocks(bufs, starts, block_size, as_one_array([b[part.key] for b in blocks]))
+    return blocks, reservation
+
+
+class _Blocks:
+    """Arrays of one shape at arbitrary addresses, assigned to as `out[a:b, layer]` (what
+    `_copy_blocks` writes) one block at a time."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+
+    def __setitem__(self, index, value):
+        blocks, layer = index
+        for a, v in zip(self.arrays[blocks], value):
+            a[layer] = v
+
+
+def as_one_array(arrays: list[np.ndarray]):
+    """`arrays` (same shape and dtype, each C-contiguous) as one array `(len(arrays), *shape)`
+    when they lie at evenly spaced addresses (consecutive slots of a store's arena, the usual
+    case): a run of blocks is then copied per layer in one numpy call. Otherwise a stand-in
+    that assigns block by block (reading it is not supported)."""
+    first = arrays[0]
+    if not all(a.flags.c_contiguous and a.shape == first.shape for a in arrays) or any(
+        a.dtype != first.dtype for a in arrays
+    ):
+        return _Blocks(arrays)
+    addresses = np.array([a.__array_interface__["data"][0] for a in arrays], np.int64)
+    step = int(addresses[1] - addresses[0]) if len(arrays) > 1 else first.nbytes
+    if step >= first.nbytes and np.all(np.diff(addresses) == step):
+        return np.lib.stride_tricks.as_strided(
+            first, (len(arrays), *first.shape), (step, *first.strides), writeable=True
+        )
+    return _Blocks(arrays)
 
 
 def stage_blocks(

@@ -401,6 +401,8 @@ class HostStore(BlockStore):
         self._segments: dict[int, list] = {}  # id -> [segment, records of it held]
         self._segment_bytes = 0
         self._held: list[_Slot] = []  # evicted records that a reader still holds
+        # id of a lent record's first array -> (its slot, its arrays), lent by `_reserve`
+        self._reserved: dict[int, tuple[_Slot, dict[str, np.ndarray]]] = {}
         while self._arena_bytes < preallocate_bytes:
             self._map(min(_CHUNK_BYTES, preallocate_bytes - self._arena_bytes))
 
@@ -442,7 +444,7 @@ class HostStore(BlockStore):
             if record.key in self._records:
                 self._records.move_to_end(record.key)
                 return False
-            owner: _Slot | Segment | None = self._adopt(record)
+            owner: _Slot | Segment | None = self._adopt(record) or self._claim(record)
             if owner is None:
                 owner = self._acquire(sum(_round_up(a.nbytes) for a in record.parts.values()))
                 if owner is None:
@@ -454,6 +456,83 @@ class HostStore(BlockStore):
             self._counters["blocks_stored"] += 1
             self._counters["bytes_stored"] += size
             return True
+
+    # ---- arena bytes filled in place --------------------------------------------------------
+
+    def _reserve(self, parts: dict[str, tuple[tuple[int, ...], np.dtype]], count: int):
+        """Arena bytes for `count` records of `parts` (name -> shape, dtype), for a caller that
+        fills them itself and then `put`s records whose parts are exactly those arrays: the
+        store keeps them without a copy. Saves a host copy per stored block (the connector
+        copies CPU pool rows straight into them).
+
+        Returns:
+            `(arrays, reservation)`: per record, writable arrays laid out as `put` would copy
+            them; `reservation.release()` gives back whatever no `put` kept. None when the
+            store cannot lend that much now (then `put` copies as usual).
+        """
+        layout, size = [], 0
+        for name, (shape, dtype) in parts.items():
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            layout.append((name, size, nbytes, tuple(shape), np.dtype(dtype)))
+            size += _round_up(nbytes)
+        if not size or count * size > self.capacity_bytes:
+            return None
+        slots: list[_Slot] = []
+        with self._lock:
+            for _ in range(count):
+                slot = self._acquire(size)
+                if slot is None:
+                    for taken in slots:
+                        self._give_up(taken)
+                    return None
+                slots.append(slot)
+        arrays = [
+            {
+                name: slot.base[offset : offset + nbytes].view(dtype).reshape(shape)
+                for name, offset, nbytes, shape, dtype in layout
+            }
+            for slot in slots
+        ]
+        keys = [id(next(iter(a.values()))) for a in arrays]
+        with self._lock:
+            self._reserved.update(zip(keys, zip(slots, arrays)))
+        return arrays, _Reservation(self, keys)
+
+    def _claim(self, record: BlockRecord) -> _Slot | None:
+        """The reserved slot whose very arrays are `record`'s parts (else None: the record
+        is copied)."""
+        if not self._reserved or not record.parts:
+            return None
+        key = id(next(iter(record.parts.values())))
+        entry = self._reserved.get(key)
+        if entry is None:
+            return None
+        slot, lent = entry
+        if record.parts.keys() != lent.keys() or any(
+            record.parts[name] is not arr for name, arr in lent.items()
+        ):
+            return None
+        del self._reserved[key]
+        for arr in lent.values():
+            arr.flags.writeable = False
+        return slot
+
+    def _unreserve(self, keys: list[int]) -> None:
+        """Gives back the reserved slots of `keys` that no `put` kept."""
+        with self._lock:
+            for key in keys:
+                entry = self._reserved.pop(key, None)
+                if entry is not None:
+                    slot = entry[0]
+                    del entry  # its arrays must not count as a reader in `_give_up`
+                    self._give_up(slot)
+
+    def _give_up(self, slot: _Slot) -> None:
+        # Free now, or once the caller's arrays of it are gone.
+        if slot.unheld():
+            self._release(slot)
+        else:
+            self._held.append(slot)
 
     # ---- segments --------------------------------------------------------------------------
 
@@ -575,6 +654,18 @@ class HostStore(BlockStore):
             return self._release(owner)
         self._held.append(owner)
         return None
+
+
+class _Reservation:
+    """Reserved arena slots of one `HostStore._reserve` call; `release` gives back those no
+    `put` kept (call it once the records were put, or when they never will be)."""
+
+    def __init__(self, store: HostStore, keys: list[int]):
+        self._store, self._keys = store, keys
+
+    def release(self) -> None:
+        self._store._unreserve(self._keys)
+        self._keys = []
 
 
 def _copy_into(record: BlockRecord, slot: _Slot) -> BlockRecord:
