@@ -87,8 +87,12 @@ class _KeyedPool(PoolBase):
             ConsumedPoolError: this pool was consumed by an earlier update.
         """
         self.check_scale("k_scale", k_scale)
-        write = Write(self.KEY_BUFFER, "cache_k", cache_k, k_scale)
+        write = Write(self.KEY_BUFFER, "cache_k", cache_k, self._applied_scale(k_scale))
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
+
+    def _applied_scale(self, k_scale):
+        """The (checked) scale the key rows are divided by: `k_scale` itself here."""
+        return k_scale
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -234,6 +238,9 @@ class _LatentPool(_KeyedPool):
         """Stored latent rows -> the values readers return (here: the logical dtype)."""
         return _dtypes.decode(bits, self.dtype)
 
+    def _check_parts(self, k_nope, k_rope) -> None:
+        """Refuses `set_mla_kv` parts this layout cannot store (none here)."""
+
     def set_kv(
         self: _P,
         layer_id: int,
@@ -285,6 +292,7 @@ class _LatentPool(_KeyedPool):
         Raises:
             IndexError, ValueError, TypeError, ConsumedPoolError: as for `set_k`.
         """
+        self._check_parts(k_nope, k_rope)
         shapes = (("k_nope", (1, self.kv_lora_rank)), ("k_rope", (1, self.qk_rope_head_dim)))
         write = Write("kv_buffer", "k_nope/k_rope", (k_nope, k_rope), part_shapes=shapes)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
@@ -314,7 +322,10 @@ class NSAPool(_LatentPool):
     as fp8-e4m3 codes in tiles of 128 values, one float32 scale per tile (`amax / 448`), then
     the rope part as bfloat16. Setters quantise, readers dequantise to float32. SGLang itself
     packs only for float8_e4m3fn (an e5m2 pool there keeps plain e5m2 rows); here an e5m2 pool
-    packs too, its tiles being e4m3 like every packed row.
+    packs too, its tiles being e4m3 like every packed row. There `set_k` and `set_kv` also take
+    raw packed rows, uint8 `(T, 1, width)`, and store them as they are; `k_scale` is checked
+    but not applied (each tile carries its own scale, and SGLang's packed writer takes no
+    other); `set_mla_kv` refuses uint8 parts (whole packed rows go to `set_k`).
     """
 
     KIND = "nsa"
@@ -363,45 +374,12 @@ class NSAPool(_LatentPool):
             return super().get_key_buffer(layer_id)
         return self._decode_rows(self.layer_buffer("kv_buffer", self.layer_index(layer_id)))
 
-    def set_k(
-        self,
-        layer_id: int,
-        loc: ArrayLike,
-        cache_k: ArrayLike,
-        k_scale: ArrayLike | None = None,
-        *,
-        donate: bool = True,
-        check_bounds: bool = False,
-    ) -> NSAPool:
-        """Writes latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; arguments,
-        returns and raises as for `MLAPool.set_k`.
+    def _applied_scale(self, k_scale):
+        # Packed fp8 rows carry a scale per tile and SGLang's packed writer takes no other:
+        # `k_scale` is checked but not applied there.
+        return None if self.packed_fp8 else k_scale
 
-        Packed fp8 rows: float values are quantised per tile (SGLang's writer); raw packed rows,
-        uint8 `(T, 1, kv_lora_rank + 4 * (kv_lora_rank // 128) + 2 * qk_rope_head_dim)`, are
-        stored as they are. `k_scale` is checked but not applied there: each tile carries its
-        own scale, and SGLang's packed writer takes no other.
-        """
-        if self.packed_fp8:
-            self.check_scale("k_scale", k_scale)
-            k_scale = None
-        return super().set_k(
-            layer_id, loc, cache_k, k_scale, donate=donate, check_bounds=check_bounds
-        )
-
-    def set_mla_kv(
-        self,
-        layer_id: int,
-        loc: ArrayLike,
-        k_nope: ArrayLike,
-        k_rope: ArrayLike,
-        *,
-        donate: bool = True,
-        check_bounds: bool = False,
-    ) -> NSAPool:
-        """Writes `k_nope (T, 1, kv_lora_rank)` and `k_rope (T, 1, qk_rope_head_dim)` as one
-        latent row per token (packed fp8 rows: quantised per tile, rope as bfloat16); arguments,
-        returns and raises as for `MLAPool.set_mla_kv`, and `ValueError` for uint8 parts of a
-        packed row (pass whole packed rows to `set_k`)."""
+    def _check_parts(self, k_nope, k_rope) -> None:
         if self.packed_fp8:
             for arg, part in (("k_nope", k_nope), ("k_rope", k_rope)):
                 if getattr(part, "dtype", None) == jnp.uint8:
@@ -410,9 +388,6 @@ class NSAPool(_LatentPool):
                         "pass float values, or whole packed rows uint8 (T, 1, "
                         f"{self.spec('kv_buffer').row_shape[-1]}) to set_k"
                     )
-        return super().set_mla_kv(
-            layer_id, loc, k_nope, k_rope, donate=donate, check_bounds=check_bounds
-        )
 
     def get_index_k(self, layer_id: int, loc: ArrayLike) -> jax.Array:
         """Dequantised index keys float32 `(T, index_head_dim)` at slots `loc`."""
