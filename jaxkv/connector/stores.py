@@ -359,6 +359,8 @@ class HostStore(BlockStore):
       Touching costs about one memory write per byte (256 MiB took 48-78 ms here); pass
       `preallocate_bytes=capacity_bytes` to pay it all at construction, or 0 to pay it only as
       the store grows (for instance on accelerators, where records arrive as segments).
+    - A connector storing a CPU pool's blocks copies them straight into arena memory the
+      store lends for them (`_reserve`), and `put` keeps those records without a second copy.
 
     Records are handed out read-only, and a record a reader still holds is never overwritten:
     its bytes stay reserved (and counted) until the reader lets go of it. A put that cannot
