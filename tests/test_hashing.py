@@ -98,6 +98,27 @@ print(json.dumps(out))
 """
 
 
+def test_keys_do_not_depend_on_what_was_hashed_before():
+    """The connector reuses its last chain for a prefix of the same tokens under the same
+    namespace, layout and salt (a lookup, then a load of the found prefix); every other
+    sequence of calls gets the keys a fresh connector computes."""
+    pool = MHAPool.create(size=64, head_num=1, head_dim=8, layer_num=1)
+    conn = KVConnector(pool, HostStore(1 << 20), block_size=4)
+    tokens = np.arange(40)
+    calls = [
+        (tokens, None),
+        (tokens[:20], None),  # a prefix: reused
+        (tokens[:22], None),  # a prefix with a partial tail
+        (tokens[:20], "tenant"),  # another salt: another root
+        (tokens[:20] + 1, None),  # other tokens
+        (np.arange(80), None),  # longer than the last chain
+        (tokens[:3], None),  # no full block
+    ]
+    for ids, salt in calls:
+        fresh = KVConnector(pool, HostStore(1 << 20), block_size=4)
+        assert conn.block_hashes(ids, salt=salt) == fresh.block_hashes(ids, salt=salt)
+
+
 def test_keys_are_stable_across_processes():
     nsa = NSAPool.create(
         size=64,

@@ -145,6 +145,8 @@ class KVConnector:
         self.fingerprint = self.layout.fingerprint(self.block_size)
         self._shards = _shards.plan(view, self.layout, self.block_size)
         self._staging = StagingCache()
+        self._last_chain: tuple[bytes, bytes, list[bytes]] | None = None  # see `_chain`
+        self._specs_by_layout: dict[int, tuple] = {}  # see `_part_specs`
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
         self._errors: list[BaseException] = []
@@ -179,9 +181,20 @@ class KVConnector:
         return self._chain(data, salt, fingerprint), data
 
     def _chain(self, data: bytes, salt, fingerprint=None) -> list[bytes]:
-        """Block digests of token bytes `data` under `fingerprint` (default: the pool's)."""
+        """Block digests of token bytes `data` under `fingerprint` (default: the pool's).
+
+        The last chain is kept: a serving loop asks `lookup(prompt)` and then
+        `load(prompt[:hit])` (and `store` of the same prompt later), whose digests are a prefix
+        of it. The root covers the namespace, layout and salt, so equal roots and token bytes
+        give the same digests.
+        """
         root = _hashing.root_hash(self.namespace, fingerprint or self.fingerprint, salt)
-        return _hashing.chain(root, data, self.block_size)
+        last = self._last_chain  # one read: another thread may replace it meanwhile
+        if last is not None and last[0] == root and last[1].startswith(data):
+            return last[2][: len(data) // (4 * self.block_size)]
+        digests = _hashing.chain(root, data, self.block_size)
+        self._last_chain = (root, data, digests)
+        return list(digests)
 
     def block_hashes(
         self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
@@ -734,20 +747,34 @@ class KVConnector:
                 staging.append(slot)
             return view.write(rows, staging, bs)
 
-    def _valid(self, record: BlockRecord, block_tokens: bytes, layout=None, fingerprint=None):
-        layout = layout or self.layout
-        if record.layout != (fingerprint or self.fingerprint):
+    def _valid(self, record: BlockRecord, block_tokens: bytes, layout, fingerprint) -> bool:
+        """Whether `record` is the block of `block_tokens` under `layout`: its layout
+        fingerprint, its tokens' digest, and each part's shape and dtype."""
+        if record.layout != fingerprint:
             return False
         if record.tokens != _hashing.block_digest(block_tokens):
             return False
-        if set(record.parts) != {p.key for p in layout.parts}:
+        parts = record.parts
+        want = self._part_specs(layout)
+        if len(parts) != len(want):
             return False
-        for p in layout.parts:
-            arr = record.parts[p.key]
-            want = (self.layout.layer_num, self.block_size, *p.row_shape)
-            if arr.shape != want or arr.dtype != p.bits_dtype:
+        for key, (shape, dtype) in want.items():
+            arr = parts.get(key)
+            if arr is None or arr.shape != shape or arr.dtype != dtype:
                 return False
         return True
+
+    def _part_specs(self, layout) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Each part's record shape and dtype under `layout` (worked out once per layout)."""
+        specs = self._specs_by_layout.get(id(layout))
+        if specs is None or specs[0] is not layout:
+            parts = {
+                p.key: ((self.layout.layer_num, self.block_size, *p.row_shape), p.bits_dtype)
+                for p in layout.parts
+            }
+            specs = (layout, parts)
+            self._specs_by_layout[id(layout)] = specs
+        return specs[1]
 
     def stats(self) -> dict[str, Any]:
         """Counters of this connector, each with one meaning (blocks are full blocks):
