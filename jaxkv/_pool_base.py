@@ -162,8 +162,8 @@ def _zeros(shape: tuple[int, ...], dtype, where) -> jax.Array:
     """A zeroed buffer placed by `where`, committed to its device even when `where` is None
     (the default device). An uncommitted buffer becomes committed the first time it meets a
     committed array (a connector load's staging, for one), and jit keys its programs by
-    commitment: every jitted step holding the pool would then compile a second time, at a
-    later request (about 100 ms per program on a GPU)."""
+    commitment: every jitted step holding the pool would then compile a second time, inside a
+    later request."""
     x = jnp.zeros(shape, dtype, device=where)
     return x if where is not None else jax.device_put(x, x.sharding)
 

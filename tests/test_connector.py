@@ -568,8 +568,8 @@ def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, tmp_p
 def test_a_load_never_makes_a_jitted_step_compile_again(monkeypatch, pinned):
     """jit keys its programs by whether arguments are committed to a device; a pool is
     committed from `create` on, so a load (whose staging is committed) leaves every jitted step
-    holding the pool with the one program it had (a recompile costs a request ~100 ms on a
-    GPU). The pinned path is the accelerator's, run on CPU."""
+    holding the pool with the one program it had (a recompile would stall a later request).
+    The pinned path is the accelerator's, run on CPU."""
     from jaxkv.connector import _staging
 
     monkeypatch.setattr(_staging, "PINNED_ON_CPU", pinned)
