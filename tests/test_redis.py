@@ -232,17 +232,17 @@ def test_killed_and_restarted_server_misses_then_recovers_with_no_wrong_data(own
     assert down["blocks"] == 0
 
     srv.start()  # comes back empty, as a restarted cache server does
-    deadline, step = time.monotonic() + 10, 10
-    while True:  # misses until the breaker's next probe finds the server
+    # Misses until the breaker's next probe finds the server, then whole hits. Recovered means
+    # four whole round trips in a row: on a loaded 2-core machine one 0.3 s timeout can still
+    # fire after the restart and reopen the breaker for a moment (a miss, never wrong data).
+    deadline, step, in_a_row = time.monotonic() + 20, 10, 0
+    while in_a_row < 4 and time.monotonic() < deadline:
         dst, found, n, exact = _loop_step(conn, pool, dst, step)
         assert exact
         step += 1
-        if found == n == 2 * BS or time.monotonic() > deadline:
-            break
-    for step in range(100, 103):
-        dst, found, n, exact = _loop_step(conn, pool, dst, step)
-        assert (found, n, exact) == (2 * BS, 2 * BS, True)
-    assert store.stats()["blocks"] >= 8
+        in_a_row = in_a_row + 1 if found == n == 2 * BS else 0
+    assert in_a_row == 4
+    assert store.stats()["blocks"] >= 8  # the four round trips' blocks are all held
 
 
 def test_a_stopped_server_costs_at_most_the_timeout_then_the_breaker_answers(own_server):
