@@ -146,7 +146,6 @@ class KVConnector:
         self._shards = _shards.plan(view, self.layout, self.block_size)
         self._staging = StagingCache()
         self._last_chain: tuple[bytes, bytes, list[bytes]] | None = None  # see `_chain`
-        self._specs_by_layout: dict[int, tuple] = {}  # see `_part_specs`
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
         self._errors: list[BaseException] = []
@@ -666,11 +665,14 @@ class KVConnector:
             got = self._call(
                 "read", lambda ks: self.backend.get_many(ks, stop_at_miss=True), keys, None
             )
+        want = {
+            p.key: ((self.layout.layer_num, bs, *p.row_shape), p.bits_dtype) for p in layout.parts
+        }
         for i, record in enumerate(got or ()):
             if record is None:
                 break
             block = data[4 * i * bs : 4 * (i + 1) * bs]
-            if not self._valid(record, block, layout, fingerprint):
+            if not self._valid(record, block, fingerprint, want):
                 self._count("verification_failures")
                 break
             records.append(record)
@@ -747,15 +749,14 @@ class KVConnector:
                 staging.append(slot)
             return view.write(rows, staging, bs)
 
-    def _valid(self, record: BlockRecord, block_tokens: bytes, layout, fingerprint) -> bool:
-        """Whether `record` is the block of `block_tokens` under `layout`: its layout
-        fingerprint, its tokens' digest, and each part's shape and dtype."""
+    def _valid(self, record: BlockRecord, block_tokens: bytes, fingerprint: str, want) -> bool:
+        """Whether `record` is the block of `block_tokens`: its layout `fingerprint`, its
+        tokens' digest, and each part's shape and dtype as `want` (key -> (shape, dtype))."""
         if record.layout != fingerprint:
             return False
         if record.tokens != _hashing.block_digest(block_tokens):
             return False
         parts = record.parts
-        want = self._part_specs(layout)
         if len(parts) != len(want):
             return False
         for key, (shape, dtype) in want.items():
@@ -763,18 +764,6 @@ class KVConnector:
             if arr is None or arr.shape != shape or arr.dtype != dtype:
                 return False
         return True
-
-    def _part_specs(self, layout) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """Each part's record shape and dtype under `layout` (worked out once per layout)."""
-        specs = self._specs_by_layout.get(id(layout))
-        if specs is None or specs[0] is not layout:
-            parts = {
-                p.key: ((self.layout.layer_num, self.block_size, *p.row_shape), p.bits_dtype)
-                for p in layout.parts
-            }
-            specs = (layout, parts)
-            self._specs_by_layout[id(layout)] = specs
-        return specs[1]
 
     def stats(self) -> dict[str, Any]:
         """Counters of this connector, each with one meaning (blocks are full blocks):
