@@ -132,16 +132,23 @@ def test_a_dlpack_export_held_across_an_update_is_reported(kv):
         pool.get_key_buffer(0)
 
 
-@HOST_VIEWS
-def test_a_connector_load_consumes_the_jaxkv_pool_it_writes(kv):
+@pytest.mark.parametrize(
+    "hold_view", [False, pytest.param(True, marks=HOST_VIEWS)], ids=["plain", "view-held"]
+)
+def test_a_connector_load_consumes_the_jaxkv_pool_it_writes(kv, hold_view):
     src = kv.make_pool("mha", jnp.bfloat16, size=SIZE, page_size=PAGE)
     src = kv.fill_all(src, "mha", 0, SLOTS, np.random.default_rng(4), donate=False)
     conn = KVConnector(src, HostStore(1 << 20))
     assert conn.store(src, TOKENS, SLOTS) == 4
     dst = kv.make_pool("mha", jnp.bfloat16, size=SIZE, page_size=PAGE)
-    view = np.asarray(dst.v_buffer[1])
-    with pytest.warns(jaxkv.CopyWarning):
-        new, n = conn.load(dst, TOKENS, SLOTS)
+    view = np.asarray(dst.v_buffer[1]) if hold_view else None  # CPU: aliases the buffer
+    if hold_view:
+        with pytest.warns(jaxkv.CopyWarning):
+            new, n = conn.load(dst, TOKENS, SLOTS)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", jaxkv.CopyWarning)  # nothing forced a copy
+            new, n = conn.load(dst, TOKENS, SLOTS)
     assert n == 16 and dst.consumed
     for call in (lambda: dst.get_key_buffer(1), lambda: conn.load(dst, TOKENS, SLOTS)):
         with pytest.raises(jaxkv.ConsumedPoolError):
