@@ -33,7 +33,6 @@ from jaxkv.connector._records import BlockRecord, Segment, is_block_of
 from jaxkv.connector._staging import StagingCache, pinned_device
 from jaxkv.connector._transfers import (
     as_one_array,
-    copy_blocks_into_store,
     gather_blocks,
     gather_segment,
     segment_staging,
@@ -175,10 +174,6 @@ class KVConnector:
 
     # ---- keys -----------------------------------------------------------------------------
 
-    def _digests(self, token_ids, salt, fingerprint=None) -> tuple[list[bytes], bytes]:
-        data = _hashing.token_bytes(token_ids)
-        return self._chain(data, salt, fingerprint), data
-
     def _chain(self, data: bytes, salt, fingerprint=None) -> list[bytes]:
         """Block digests of token bytes `data` under `fingerprint` (default: the pool's).
 
@@ -214,7 +209,7 @@ class KVConnector:
                 `bytes` nor `None`.
             ValueError: `token_ids` that are not 1-D, or an id outside `[0, 2**32)`.
         """
-        return [d.hex() for d in self._digests(token_ids, salt)[0]]
+        return [d.hex() for d in self._chain(_hashing.token_bytes(token_ids), salt)]
 
     def lookup(
         self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
@@ -385,24 +380,20 @@ class KVConnector:
         bs = self.block_size
         rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in missing])
         # Accelerators: the transfer's pinned output becomes the records' memory (a segment
-        # nobody reuses), so a store can keep it. Elsewhere the records are views of reused
-        # staging, valid until `staging` is given back.
-        # A CPU pool's blocks go straight into memory a HostStore lends for them, which it
-        # then keeps without copying.
+        # nobody reuses), so a store can keep it. Elsewhere the records are views of memory a
+        # HostStore lent for them, or of reused staging, valid until `staging` is given back.
         segment = gather_segment(view, rows, bs)
-        direct = None if segment else copy_blocks_into_store(view, rows, bs, self.backend)
         if segment is not None:
-            staged, staging = segment.host, []
-        elif direct is not None:
-            staged, staging = None, [direct[1]]
+            parts = [{k: a[j] for k, a in segment.host.items()} for j in range(len(missing))]
+            staging = []
         else:
-            staged, staging = stage_blocks(view, rows, bs, self._staging)
+            parts, staging = stage_blocks(view, rows, bs, self._staging, self.backend)
         records = [
             BlockRecord(
                 key=digests[i].hex(),
                 layout=fingerprint,
                 tokens=_hashing.block_digest(data[4 * i * bs : 4 * (i + 1) * bs]),
-                parts=direct[0][j] if staged is None else {k: a[j] for k, a in staged.items()},
+                parts=parts[j],
                 source=None if segment is None else (segment, j),
             )
             for j, i in enumerate(missing)

@@ -153,7 +153,6 @@ class _ForeignView(PoolView):
     def write(self, slots, staging, block_size):
         parts = self.layout.parts
         direct = self._check_writable()
-        starts = block_starts(slots, block_size)
         undo = []  # (layer view, codec, rows it held): what a failure puts back
         try:
             for part, st, host in zip(parts, staging, direct):
@@ -164,11 +163,13 @@ class _ForeignView(PoolView):
             jax_parts = [i for i, host in enumerate(direct) if host is None]
             if jax_parts:
                 layers = tuple(tuple(getattr(self.pool, parts[i].attr)) for i in jax_parts)
-                staged = tuple(on_device(staging[i], ls[0]) for i, ls in zip(jax_parts, layers))
-                codecs = tuple(parts[i].codec for i in jax_parts)
-                new = scatter_donated(layers, slots.astype(np.int32), starts, staged, codecs)
-                warn_if_copied([b for bufs in layers for b in bufs])
-                jax.block_until_ready(new)
+                new = write_arrays(
+                    layers,
+                    [parts[i] for i in jax_parts],
+                    slots,
+                    [staging[i] for i in jax_parts],
+                    block_size,
+                )
         except BaseException:
             for buf, codec, rows in reversed(undo):
                 _foreign.write_rows(buf, codec, slots, rows)

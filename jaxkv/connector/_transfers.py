@@ -82,8 +82,8 @@ def _cpu_layers(view: PoolView) -> list[list[jax.Array]] | None:
 def _copy_blocks(layers: list[jax.Array], starts: np.ndarray, block_size: int, out: np.ndarray):
     """`out[b, l] = layers[l][starts[b] : starts[b] + block_size]` through numpy views of the
     layer buffers (every start in range: the connector checked the slots). Blocks that follow
-    each other in the buffer move as one copy per layer."""
-    jax.block_until_ready(layers)
+    each other in the buffer move as one copy per layer. The caller has waited for the
+    layers to be ready."""
     # Runs of consecutive blocks: [first, last) block indices whose rows are one slice.
     breaks = np.flatnonzero(np.diff(starts) != block_size) + 1
     bounds = np.concatenate([[0], breaks, [len(starts)]]).tolist()
@@ -95,33 +95,6 @@ def _copy_blocks(layers: list[jax.Array], starts: np.ndarray, block_size: int, o
         for a, b, row in runs:
             rows = src[row : row + (b - a) * block_size]
             out[a:b, li] = rows.reshape(b - a, block_size, *src.shape[1:])
-
-
-def copy_blocks_into_store(view: PoolView, slots: np.ndarray, block_size: int, store):
-    """Copies the blocks at `slots` of a CPU pool straight into memory `store` lends for them
-    (`HostStore._reserve`), for the store path: one host copy per block instead of a staging
-    copy and then the store's own.
-
-    Returns:
-        `(parts, reservation)`: per block, its parts (`(layer_num, block_size, *row)` each),
-        and the reservation to release once the records were put. None when this does not
-        apply (not a CPU pool of token-major buffers, blocks that are not contiguous runs of
-        slots, a store that lends no memory): stage the blocks instead.
-    """
-    reserve = getattr(store, "_reserve", None)
-    starts = block_starts(slots, block_size)
-    layers = _cpu_layers(view) if reserve is not None and starts is not None else None
-    if layers is None:
-        return None
-    parts = view.layout.parts
-    shapes = {p.key: ((len(layers[0]), block_size, *p.row_shape), p.bits_dtype) for p in parts}
-    lent = reserve(shapes, len(starts))
-    if lent is None:
-        return None
-    blocks, reservation = lent
-    for part, bufs in zip(parts, layers):
-        _copy_blocks(bufs, starts, block_size, as_one_array([b[part.key] for b in blocks]))
-    return blocks, reservation
 
 
 class _Blocks:
@@ -157,15 +130,18 @@ def as_one_array(arrays: list[np.ndarray]):
 
 
 def stage_blocks(
-    view: PoolView, slots: np.ndarray, block_size: int, cache: StagingCache
-) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
-    """Host copies of the blocks at `slots`, block-major `(n_blocks, layer_num, block_size,
-    *row)`, for the store path; also returns the `cache` buffers to give back once consumed.
+    view: PoolView, slots: np.ndarray, block_size: int, cache: StagingCache, store=None
+) -> tuple[list[dict[str, np.ndarray]], list]:
+    """Host copies of the blocks at `slots` for the store path: per block, its parts
+    `(layer_num, block_size, *row)`; also what to give back once the records were written
+    (`cache` buffers, or a store's reservation: see the connector's `_give_back`).
 
     Blocks of a jaxkv pool on CPU whose slots are contiguous runs are copied with numpy from
-    zero-copy views of the layer buffers into reused (already touched) staging: one pass at
-    memcpy speed. The device gather wrote into fresh XLA output memory, whose first-touch page
-    faults made it 1.5-3.5 memcpys of the same bytes (32 MiB: 6.4-15.9 ms against 4.3 ms).
+    zero-copy views of the layer buffers, one copy per run of adjacent blocks per layer: into
+    memory `store` lends for the records when it does (`HostStore._reserve`: its `put` then
+    keeps them without a copy), else into reused (already touched) staging. The device gather
+    wrote into fresh XLA output memory, whose first-touch page faults made it 1.5-3.5 memcpys
+    of the same bytes (32 MiB: 6.4-15.9 ms against 4.3 ms).
     Otherwise, up to 32 MiB per part this is `gather_blocks` (one device-side stacked array,
     handed over zero-copy). Larger snapshots on CPU gather each layer into its own device
     array and stack them on the host into reused memory: the stacked 64 MiB output of 32
@@ -175,12 +151,24 @@ def stage_blocks(
     starts = block_starts(slots, block_size)
     layers = _cpu_layers(view) if starts is not None else None
     if layers is not None:
-        out = {}
-        for part, bufs in zip(view.layout.parts, layers):
-            buf = cache.take((n_blocks, len(bufs), block_size, *part.row_shape), part.bits_dtype)
-            _copy_blocks(bufs, starts, block_size, buf)
-            out[part.key] = buf
-        return out, list(out.values())
+        jax.block_until_ready(layers)
+        parts = view.layout.parts
+        shapes = {p.key: ((len(layers[0]), block_size, *p.row_shape), p.bits_dtype) for p in parts}
+        reserve = getattr(store, "_reserve", None)
+        lent = reserve(shapes, n_blocks) if reserve is not None else None
+        if lent is not None:
+            blocks, reservation = lent
+            dests = {k: as_one_array([b[k] for b in blocks]) for k in shapes}
+            give_back = [reservation]
+        else:
+            dests = {
+                k: cache.take((n_blocks, *shape), dtype) for k, (shape, dtype) in shapes.items()
+            }
+            blocks = _per_block(dests, n_blocks)
+            give_back = list(dests.values())
+        for part, bufs in zip(parts, layers):
+            _copy_blocks(bufs, starts, block_size, dests[part.key])
+        return blocks, give_back
     largest = max(
         n_blocks
         * view.layout.layer_num
@@ -192,12 +180,11 @@ def stage_blocks(
     if largest <= _FRESH_MMAP_BYTES or any(
         view.host_layers(p) is not None for p in view.layout.parts
     ):
-        return gather_blocks(view, slots, block_size), []
+        return _per_block(gather_blocks(view, slots, block_size), n_blocks), []
     platform = next(iter(view.arrays()[0][0].sharding.device_set)).platform
     if platform != "cpu":
-        return gather_blocks(view, slots, block_size), []
+        return _per_block(gather_blocks(view, slots, block_size), n_blocks), []
     codecs = tuple(p.codec for p in view.layout.parts)
-    starts = block_starts(slots, block_size)
     per_layer = gather_layers_jit(view.arrays(), slots.astype(np.int32), starts, codecs, block_size)
     jax.block_until_ready(per_layer)
     out = {}
@@ -206,7 +193,12 @@ def stage_blocks(
         buf = cache.take(shape, part.bits_dtype)
         np.stack([to_host(x) for x in layers], axis=1, out=buf)
         out[part.key] = buf
-    return out, list(out.values())
+    return _per_block(out, n_blocks), list(out.values())
+
+
+def _per_block(staged: dict[str, np.ndarray], n_blocks: int) -> list[dict[str, np.ndarray]]:
+    """Block-major staging `(n_blocks, ...)` per part as each block's parts."""
+    return [{key: arr[j] for key, arr in staged.items()} for j in range(n_blocks)]
 
 
 # ---- accelerator path: segments in pinned host memory -----------------------------------------
