@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 
@@ -253,6 +254,25 @@ def test_pytree_metadata_is_static(kv, pool_kind):
     assert jax.tree_util.tree_structure(kv.make_pool(pool_kind, jnp.bfloat16, start_layer=2)) != (
         treedef
     )
+
+
+def test_pytree_rebuilt_pool_flattens_to_its_own_buffers(kv, pool_kind):
+    """A pool rebuilt from other leaves (a jit output, a tree map) holds and flattens to
+    exactly those leaves, under attribute key paths; a pickled copy has the same treedef."""
+    pool = kv.make_pool(pool_kind, layer_num=2)
+    mapped = jax.tree.map(lambda x: x + 1, pool)
+    for name in kv.buffer_names(pool_kind):
+        assert [id(b) for b in getattr(mapped, name)] != [id(b) for b in getattr(pool, name)]
+    buffers = [b for name in kv.buffer_names(pool_kind) for b in getattr(mapped, name)]
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(mapped)[0])
+    assert [id(x) for x in leaves] == [id(b) for b in buffers]
+    assert [jax.tree_util.keystr(p) for p in paths] == [
+        f".{name}[{li}]" for name in kv.buffer_names(pool_kind) for li in range(2)
+    ]
+    assert not mapped.consumed and mapped.size == pool.size
+    copy = pickle.loads(pickle.dumps(mapped))
+    assert jax.tree_util.tree_structure(copy) == jax.tree_util.tree_structure(pool)
+    assert kv.same_bits(kv.host(jax.tree.leaves(copy)[0]), kv.host(leaves[0]))
 
 
 def test_jit_over_two_equal_pools_traces_once(kv, pool_kind):
