@@ -114,10 +114,10 @@ def _register(cls) -> list[str]:
 
     def unflatten(static, children):
         pool = object.__new__(cls)
-        d = static.template.copy()
+        d = pool.__dict__
+        d.update(static.template)
         d.update(zip(data, children))
         d["_flat"] = (children if type(children) is tuple else tuple(children), static)
-        object.__setattr__(pool, "__dict__", d)
         return pool
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
