@@ -136,10 +136,13 @@ class IndexCodec:
         return jnp.concatenate([key_bits, scale_bits], axis=-1)
 
     def dequantize(self, records: jax.Array) -> jax.Array:
-        """Token records `(T, head_dim+4)` -> float32 `(T, head_dim)`."""
-        keys = jax.lax.bitcast_convert_type(records[:, : self.head_dim], jnp.float8_e4m3fn)
-        scale = jax.lax.bitcast_convert_type(records[:, self.head_dim :], jnp.float32)
-        return keys.astype(jnp.float32) * scale[:, None]
+        """Token records `(T, head_dim+4)` -> float32 `(T, head_dim)`: code times scale, with
+        the bits every backend agrees on (`_dtypes.multiply`) for records of any bytes (a NaN
+        key, or a store's raw record with a subnormal or NaN scale)."""
+        key_bytes, scale_bytes = self.split(records)
+        keys = jax.lax.bitcast_convert_type(key_bytes, jnp.float8_e4m3fn)
+        scale = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+        return _dtypes.multiply(keys.astype(jnp.float32), scale[:, None])
 
     def write(self, buf: jax.Array, loc: jax.Array, values: jax.Array, scale) -> jax.Array:
         del scale  # the scale is computed per token from the values

@@ -421,6 +421,30 @@ def test_get_index_k_dequantises_and_packs_sglang_layout(kv):
     assert not np.any(kv.host(pool.index_k_with_scale_buffer[0])), "other layer untouched"
 
 
+def test_get_index_k_of_any_record_bytes_reads_the_same_bits_on_every_backend(kv):
+    """Records with NaN keys of either sign and subnormal, NaN or negative scales (bytes a store
+    may hand back) read as code * scale with subnormals as signed zeros and one quiet NaN: x86
+    keeps a NaN operand's sign, NVIDIA GPUs return 0x7FFFFFFF, XLA:GPU keeps subnormals."""
+    pool = kv.make_pool("nsa")
+    d = pool.index_head_dim
+    keys = np.random.default_rng(4).integers(0, 256, (rows_of(pool), d), dtype=np.uint8)
+    keys[:, :2] = [0x7F, 0xFF]  # e4m3fn NaN, positive and negative
+    scales = np.resize(
+        np.array([0x00000001, 0x80400000, 0x7FC00001, 0xFFC00000, 0x3F800000, 0x00800000,
+                  0xBE000000, 0x01000000], np.uint32),
+        rows_of(pool),
+    ).view(np.float32)  # fmt: skip
+    records = np.concatenate([keys, scales[:, None].view(np.uint8)], axis=-1)
+    pages = jnp.asarray(kv.index_pages_ref(records, pool.page_size))
+    pool = pool.with_buffers(index_k_with_scale_buffer=[pages] * pool.layer_num)
+    loc = np.arange(rows_of(pool))
+    got = kv.host(pool.get_index_k(0, loc))
+    codes = keys.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = kv.flush_subnormals(codes * kv.flush_subnormals(scales)[:, None])
+    assert kv.same_bits(got, want)
+
+
 def test_set_index_k_zero_row_stores_zero_keys_and_the_floor_scale(kv):
     pool = kv.make_pool("nsa")
     d = pool.index_head_dim
