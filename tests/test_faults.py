@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxkv import MHAPool
-from jaxkv.connector import DiskStore, HostStore, KVConnector
+from jaxkv.connector import DiskStore, HostStore, KVConnector, TieredStore
 from jaxkv.connector.disk import FileOps
 
 BS = 16
@@ -245,6 +245,21 @@ def test_a_failing_async_write_never_makes_load_raise(tmp_path):
     fs.write = original
     assert conn.store(_pool(), TOKENS, SLOTS) == N_BLOCKS
     conn.close()
+
+
+def test_a_strict_tier_raises_through_a_stack_and_what_faster_tiers_stored_counts(tmp_path):
+    disk, fs = _disk(tmp_path, strict=True)
+    host = HostStore(1 << 20)
+    conn = KVConnector(_pool(), TieredStore(host, disk))  # a lenient connector
+    fs.fail("makedirs", errno.ENOSPC, after=2)
+    with pytest.raises(OSError) as err:
+        conn.store(_pool(), TOKENS, SLOTS)
+    assert err.value.errno == errno.ENOSPC
+    st = conn.stats()
+    # The host tier took every block before the disk tier failed on its third.
+    assert len(host) == N_BLOCKS and _kvb_files(tmp_path) == 2
+    assert st["blocks_stored"] == st["store"]["blocks_stored"] == N_BLOCKS
+    assert st["io_errors"] == st["store"]["io_errors"] == 1
 
 
 def test_strict_async_failure_reaches_flush_but_not_load(tmp_path):

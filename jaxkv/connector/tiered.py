@@ -57,6 +57,11 @@ class TieredStore(BlockStore):
         return max(len(tier) for tier in self.tiers)
 
     @property
+    def strict(self) -> bool:
+        """Whether a tier raises its I/O errors: a connector then passes them on too."""
+        return any(tier.strict for tier in self.tiers)
+
+    @property
     def nbytes(self) -> int:
         return sum(tier.nbytes for tier in self.tiers)
 
@@ -149,13 +154,31 @@ class TieredStore(BlockStore):
     # ---- writes ----------------------------------------------------------------------------
 
     def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
+        """Writes every record to every tier. A tier that raises stops the write there; the
+        error carries, as `err.jaxkv_written`, which records a tier newly stored so far."""
         stored = [False] * len(records)
-        for tier in self.tiers:
-            stored = [a or b for a, b in zip(stored, tier.put_many(records))]
-        with self._lock:
-            self._counters["blocks_stored"] += sum(stored)
-            self._counters["bytes_stored"] += sum(r.nbytes for r, s in zip(records, stored) if s)
+        try:
+            for tier in self.tiers:
+                try:
+                    answers = tier.put_many(records)
+                except Exception as err:
+                    answers = getattr(err, "jaxkv_written", ())
+                    err.jaxkv_written = [a or b for a, b in zip(stored, _padded(answers, stored))]
+                    stored = err.jaxkv_written
+                    raise
+                stored = [a or b for a, b in zip(stored, answers)]
+        finally:
+            with self._lock:
+                self._counters["blocks_stored"] += sum(stored)
+                self._counters["bytes_stored"] += sum(
+                    r.nbytes for r, new in zip(records, stored) if new
+                )
         return stored
 
     def put(self, record: BlockRecord) -> bool:
         return self.put_many([record])[0]
+
+
+def _padded(answers: Sequence[bool], like: Sequence) -> list[bool]:
+    """A partial list of answers (a tier's, up to its error) extended with `False`."""
+    return [*answers, *[False] * (len(like) - len(answers))]
