@@ -245,7 +245,7 @@ def test_killed_and_restarted_server_misses_then_recovers_with_no_wrong_data(own
     assert store.stats()["blocks"] >= 8  # the four round trips' blocks are all held
 
 
-def test_a_stopped_server_costs_at_most_the_timeout_then_the_breaker_answers(own_server):
+def test_a_stopped_server_costs_at_most_the_timeout_then_the_breaker_answers(own_server, caplog):
     srv = own_server()
     timeout_s = 0.3
     store = RedisStore(srv.url, timeout_s=timeout_s, retry_after_s=0.3)
@@ -268,6 +268,8 @@ def test_a_stopped_server_costs_at_most_the_timeout_then_the_breaker_answers(own
     time.sleep(0.7)
     assert conn.lookup(tokens) == 2 * BS  # the probe finds the server back
     assert store.stats()["io_errors"] == 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "jaxkv"]
+    assert len(logged) == 1 and logged[0].startswith("RedisStore: server call failed (1 so far)")
 
 
 def test_allkeys_lru_keeps_the_server_within_maxmemory(own_server):

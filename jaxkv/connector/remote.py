@@ -159,6 +159,7 @@ class RedisStore(BlockStore):
             result = send(self._client)
         except self._errors as err:
             self._count("io_errors")
+            self._failures.note("server call", err)  # logged as the other stores' failures
             # A command error (not the connection's) means the server is there: no trip.
             self._settle(not isinstance(err, self._connection_errors))
             return None
