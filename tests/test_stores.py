@@ -386,6 +386,22 @@ def test_host_store_copies_a_record_whose_source_is_not_its_memory():
     got = store.get("a" * 64)
     assert got.source is None and store.memory_bytes == 1 << 10
     np.testing.assert_array_equal(got.parts["k"], other)
+    # Memory of the segment that is not exactly the block it names: the next block, a
+    # view starting where the block starts but striding differently, a shorter view. Each
+    # goes to a fresh store with room for the segment, which would keep the segment if the
+    # record were its block.
+    host = segment.host["k"]
+    for key, part, index in (
+        ("b", host[1], 0),
+        ("c", np.lib.stride_tricks.as_strided(host, (1, 4), (16, 8), writeable=False), 0),
+        ("d", host[0][:, :2], 0),
+        ("e", host[0], 2),
+    ):
+        store = HostStore(1 << 10, preallocate_bytes=0)
+        assert store.put(BlockRecord(key * 64, "L", "T", {"k": part}, (segment, index)))
+        got = store.get(key * 64)
+        assert got.source is None and got.parts["k"].ctypes.data != part.ctypes.data
+        np.testing.assert_array_equal(got.parts["k"], part)
     too_big = _segment(100)  # a segment larger than the capacity: its block is copied
     assert store.put(_segment_records(too_big, 5)[0])
     assert store.get(f"{5:064x}").source is None

@@ -641,7 +641,7 @@ class KVConnector:
             else:
                 pool = self._write_staged(view, [records[i] for i in group], rows)
         self._count("blocks_loaded", len(records))
-        self._count("bytes_loaded", sum(r.nbytes for r in records))
+        self._count("bytes_loaded", len(records) * self.layout.block_nbytes(bs))  # all checked
         return pool, n
 
     def _fetch(self, layout, fingerprint: str, data: bytes, salt) -> tuple[list[BlockRecord], int]:
@@ -686,7 +686,7 @@ class KVConnector:
         for (group, replicas), (records, _) in zip(groups, fetched):
             for replica, device in zip(replicas, group.devices):
                 written[device] = self._write_staged(replica, records[:n_blocks], rows)
-            self._count("bytes_loaded", sum(r.nbytes for r in records[:n_blocks]))
+            self._count("bytes_loaded", n_blocks * group.layout.block_nbytes(bs))
         self._count("blocks_loaded", n_blocks)
         return _shards.rebuild(view, placed, written), n_blocks * bs
 
@@ -709,7 +709,7 @@ class KVConnector:
         whole: set[int] = set()
         for group in by_segment.values():
             segment = records[group[0]].source[0]
-            if sum(records[i].nbytes for i in group) >= _WHOLE_SEGMENT_SHARE * segment.nbytes:
+            if len(group) >= _WHOLE_SEGMENT_SHARE * segment.blocks:  # blocks of one size
                 groups.append((segment, group))
                 whole.update(group)
         rest = [i for i in range(len(records)) if i not in whole]

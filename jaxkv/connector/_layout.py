@@ -63,6 +63,11 @@ class Layout:
     shard: str = "full"
     sizes: tuple[tuple[str, int], ...] = ()
 
+    def block_nbytes(self, block_size: int) -> int:
+        """Bytes of one block record's parts: every layer's rows of `block_size` tokens."""
+        rows = sum(int(np.prod(p.row_shape)) * p.bits_dtype.itemsize for p in self.parts)
+        return self.layer_num * block_size * rows
+
     def fingerprint(self, block_size: int) -> str:
         """A stable hex digest of the layout and block size (never Python's salted `hash`)."""
         desc = {

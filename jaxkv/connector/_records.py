@@ -47,13 +47,39 @@ class Segment:
         blocks: blocks per part (`n_blocks`).
     """
 
-    __slots__ = ("arrays", "host", "nbytes", "blocks")
+    __slots__ = ("arrays", "host", "nbytes", "blocks", "_block_0")
 
     def __init__(self, arrays: Mapping[str, object], host: Mapping[str, np.ndarray]):
         self.arrays = dict(arrays)
         self.host = dict(host)
         self.nbytes = sum(int(a.nbytes) for a in self.host.values())
         self.blocks = int(next(iter(self.host.values())).shape[0]) if self.host else 0
+        # Per part: block 0's address, the step between blocks, a block's shape, strides and
+        # dtype; what `holds` compares a record's arrays with, without making views.
+        self._block_0 = {
+            name: (_address(a), a.strides[0], a.shape[1:], a.strides[1:], a.dtype)
+            for name, a in self.host.items()
+        }
+
+    def holds(self, parts: Mapping[str, np.ndarray], index: int) -> bool:
+        """Whether `parts` are exactly block `index` of this segment (same memory, shapes,
+        strides and dtypes, and the same part names)."""
+        if not 0 <= index < self.blocks or parts.keys() != self._block_0.keys():
+            return False
+        for name, arr in parts.items():
+            start, step, shape, strides, dtype = self._block_0[name]
+            if (
+                arr.shape != shape
+                or arr.strides != strides
+                or arr.dtype != dtype
+                or _address(arr) != start + index * step
+            ):
+                return False
+        return True
+
+
+def _address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,20 +104,7 @@ class BlockRecord:
 
 def is_block_of(record: BlockRecord) -> bool:
     """Whether `record` has a source and its parts are exactly that block of the segment."""
-    if record.source is None:
-        return False
-    segment, index = record.source
-    if set(record.parts) != set(segment.host) or not 0 <= index < segment.blocks:
-        return False
-    for name, arr in record.parts.items():
-        block = segment.host[name][index]
-        if (
-            arr.shape != block.shape
-            or arr.dtype != block.dtype
-            or arr.__array_interface__["data"][0] != block.__array_interface__["data"][0]
-        ):
-            return False
-    return True
+    return record.source is not None and record.source[0].holds(record.parts, record.source[1])
 
 
 def encode(record: BlockRecord) -> bytes:
