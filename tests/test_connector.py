@@ -931,6 +931,29 @@ def test_pinned_load_of_a_few_blocks_stages_them_in_pinned_memory(pinned):
     _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots[:64], dst_slots[:64], 1))
 
 
+def test_pinned_load_waits_for_the_device_only_when_host_staging_is_reused(pinned, monkeypatch):
+    """A segment sent back whole is staging nobody reuses: the load returns with its scatter
+    queued, and the caller's next step runs behind it. Pinned staging is reused by the next
+    load, so that path waits for the scatter to have read it."""
+    waits = []
+    wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waits.append(1) or wait(x))
+    rng = np.random.default_rng(24)
+    src = _fill(_make_pool("mha", size=256, page_size=1), rng)
+    conn = KVConnector(src, HostStore(1 << 22))
+    tokens = rng.integers(0, 50_000, 256)
+    slots = np.arange(1, 257)
+    assert conn.store(src, tokens, slots) == 16
+    src_raw = _raw(src)
+    for n_tokens, segments, waited in ((256, 1, False), (16, 1, True)):
+        dst = _fill(_make_pool("mha", size=256, page_size=1), rng)
+        before, waits[:] = _raw(dst), []
+        dst, n = conn.load(dst, tokens[:n_tokens], slots[:n_tokens])
+        assert n == n_tokens and len(pinned) == segments and bool(waits) == waited
+        want = _model_load(before, src_raw, slots[:n_tokens], slots[:n_tokens], 1)
+        _assert_raw_equal(_raw(dst), want)
+
+
 def test_pinned_load_spanning_segments_and_disk_records(pinned, tmp_path):
     """A prefix stored by two calls (two segments) loads bit-exact; so do records from disk,
     which carry no segment and go through pinned staging."""

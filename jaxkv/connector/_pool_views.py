@@ -89,7 +89,10 @@ def write_arrays(arrays, parts: Sequence[Part], slots, staging, block_size: int)
     staged = tuple(on_device(st, arrays[0][0]) for st in staging)
     new = scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
     warn_if_copied([b for bufs in arrays for b in bufs])
-    jax.block_until_ready(new)  # the staging memory is reused once this returns
+    if any(st.host or st.pinned is not None for st in staging):
+        jax.block_until_ready(new)  # the host staging memory is reused once this returns
+    # Device-side staging (a segment sent back whole) is nobody's to reuse: the caller's next
+    # step is queued behind the scatter instead of waiting for it on the host.
     return new
 
 
