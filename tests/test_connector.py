@@ -748,6 +748,25 @@ def test_salt_isolates_tenants(mha):
     assert conn.load(dst, tokens, slots, salt="a")[1] == 64
 
 
+def test_interleaved_tenants_hash_each_prompt_once(mha, monkeypatch):
+    """A serving loop's lookup, load and store of one prompt hash its blocks once, also when
+    two tenants' (or a sharded pool's groups') requests interleave: a chain is kept per root."""
+    from jaxkv.connector import _hashing
+
+    pool, store, conn, tokens, slots = mha
+    chains = []
+    chain = _hashing.chain
+    monkeypatch.setattr(_hashing, "chain", lambda *a: chains.append(a[1]) or chain(*a))
+    for salt in ("a", "b"):
+        assert conn.store(pool, tokens, slots, salt=salt) == 4
+    assert len(chains) == 2
+    for salt in ("a", "b", "a", "b"):
+        assert conn.lookup(tokens, salt=salt) == 64
+        dst = _make_pool("mha", size=128, page_size=1)
+        assert conn.load(dst, tokens[:32], slots[:32], salt=salt)[1] == 32
+    assert len(chains) == 2, "each salt's chain was kept across the other's requests"
+
+
 def test_load_rejects_records_of_other_blocks():
     """A store that does not verify (a HostStore holding a record under another block's key)
     still never gets its data loaded: the connector checks each record's tokens."""

@@ -45,6 +45,10 @@ from jaxkv.connector.stores import BlockStore, FailureLog, strict_scope
 # the link ran at 48 GB/s against 7 GB/s for a host copy: sending whole wins above 1/8.
 _WHOLE_SEGMENT_SHARE = 1 / 8
 
+# Chains kept per connector, one per root (layout fingerprint and salt): a sharded pool has a
+# root per shard group, and a few tenants' salts may interleave.
+_KEPT_CHAINS = 16
+
 # A pool `load` writes into: it returns one of the same type (a jaxkv pool, or the foreign
 # pool it wrote in place).
 Pool = TypeVar("Pool")
@@ -144,7 +148,7 @@ class KVConnector:
         self.fingerprint = self.layout.fingerprint(self.block_size)
         self._shards = _shards.plan(view, self.layout, self.block_size)
         self._staging = StagingCache()
-        self._last_chain: tuple[bytes, bytes, list[bytes]] | None = None  # see `_chain`
+        self._chains: dict[bytes, tuple[bytes, list[bytes]]] = {}  # see `_chain`
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
         self._errors: list[BaseException] = []
@@ -177,17 +181,20 @@ class KVConnector:
     def _chain(self, data: bytes, salt, fingerprint=None) -> list[bytes]:
         """Block digests of token bytes `data` under `fingerprint` (default: the pool's).
 
-        The last chain is kept: a serving loop asks `lookup(prompt)` and then
+        The last chain of each root is kept: a serving loop asks `lookup(prompt)` and then
         `load(prompt[:hit])` (and `store` of the same prompt later), whose digests are a prefix
-        of it. The root covers the namespace, layout and salt, so equal roots and token bytes
-        give the same digests.
+        of it; a sharded pool's groups each have their own root. The root covers the
+        namespace, layout and salt, so equal roots and token bytes give the same digests.
         """
         root = _hashing.root_hash(self.namespace, fingerprint or self.fingerprint, salt)
-        last = self._last_chain  # one read: another thread may replace it meanwhile
-        if last is not None and last[0] == root and last[1].startswith(data):
-            return last[2][: len(data) // (4 * self.block_size)]
+        last = self._chains.get(root)  # one read: another thread may replace it meanwhile
+        if last is not None and last[0].startswith(data):
+            return last[1][: len(data) // (4 * self.block_size)]
         digests = _hashing.chain(root, data, self.block_size)
-        self._last_chain = (root, data, digests)
+        with self._lock:
+            self._chains[root] = (data, digests)
+            while len(self._chains) > _KEPT_CHAINS:
+                del self._chains[next(iter(self._chains))]  # the oldest root's
         return list(digests)
 
     def block_hashes(
