@@ -384,6 +384,34 @@ def same_bits(a, b) -> bool:
     return bool(np.array_equal(a.view(width), b.view(width)))
 
 
+def random_mha_pool(
+    seed: int = 0,
+    *,
+    size: int,
+    head_num: int = 1,
+    head_dim: int = 2,
+    layer_num: int = 1,
+    dtype=np.float32,
+) -> jaxkv.MHAPool:
+    """An MHA pool (page size 1) whose every row, the padding row too, holds random values."""
+    pool = jaxkv.MHAPool.create(
+        size=size, dtype=dtype, head_num=head_num, head_dim=head_dim, layer_num=layer_num
+    )
+    rng = np.random.default_rng(seed)
+    loc = np.arange(pool.size + 1)
+    for layer in range(layer_num):
+        k, v = (rng.standard_normal((loc.size, head_num, head_dim)) for _ in range(2))
+        pool = pool.set_kv(layer, loc, k.astype(np.float32), v.astype(np.float32))
+    return pool
+
+
+def raw_rows(pool, slots) -> np.ndarray:
+    """The stored rows at `slots` of every K layer, then every V layer:
+    `(2 * layer_num, len(slots), *row)`, compared with `same_bits`."""
+    slots = np.asarray(slots)
+    return np.stack([np.asarray(b)[slots] for b in (*pool.k_buffer, *pool.v_buffer)])
+
+
 class Helpers:
     """The helpers above, handed to tests through the `kv` fixture."""
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import raw_rows
 
 import jaxkv
 from jaxkv.connector import HostStore, KVConnector
@@ -78,20 +79,16 @@ def _pool(seed=0):
     return pool
 
 
-def _rows(pool, slots):
-    return [np.asarray(b)[slots] for b in pool.k_buffer + pool.v_buffer]
-
-
 def test_store_async_returns_the_written_count_and_blocks_load_bit_exact():
     pool = _pool()
-    want = _rows(pool, SLOTS)
+    want = raw_rows(pool, SLOTS)
     with KVConnector(pool, HostStore(1 << 22)) as conn:
         future = conn.store_async(pool, TOKENS, SLOTS)
         assert future.result(timeout=30) == 4
         assert conn.store_async(pool, TOKENS, SLOTS).result(timeout=30) == 0  # all present
         pool, n = conn.load(pool, TOKENS, SLOTS + 100)
     assert n == 64
-    for got, ref in zip(_rows(pool, SLOTS + 100), want):
+    for got, ref in zip(raw_rows(pool, SLOTS + 100), want):
         np.testing.assert_array_equal(got, ref)
 
 
@@ -102,7 +99,7 @@ def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(monk
 
     monkeypatch.setattr(_staging, "PINNED_ON_CPU", pinned)
     pool = _pool()
-    want = _rows(pool, SLOTS)
+    want = raw_rows(pool, SLOTS)
     store = GatedStore(1 << 22)  # nothing reaches the store until the pool has been overwritten
     conn = KVConnector(pool, store)
     pointer = pool.k_buffer[0].unsafe_buffer_pointer()
@@ -114,7 +111,7 @@ def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(monk
     assert future.result(timeout=30) == 4
     pool, n = conn.load(pool, TOKENS, SLOTS + 100)
     assert n == 64
-    for got, ref in zip(_rows(pool, SLOTS + 100), want):  # the snapshot, not the zeros
+    for got, ref in zip(raw_rows(pool, SLOTS + 100), want):  # the snapshot, not the zeros
         np.testing.assert_array_equal(got, ref)
     held = store.get(conn.block_hashes(TOKENS)[0])
     # Kept as the transfer's output (the pinned path, always taken on accelerators) or copied.
@@ -124,7 +121,7 @@ def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(monk
 
 def test_lookup_counts_and_load_waits_for_blocks_in_flight(monkeypatch):
     pool = _pool()
-    want = _rows(pool, SLOTS)
+    want = raw_rows(pool, SLOTS)
     store = GatedStore(1 << 22)
     conn = KVConnector(pool, store)
     future = conn.store_async(pool, TOKENS, SLOTS)
@@ -140,7 +137,7 @@ def test_lookup_counts_and_load_waits_for_blocks_in_flight(monkeypatch):
     loader.join(timeout=60)
     pool, n = out["result"]
     assert n == 64 and future.done()
-    for got, ref in zip(_rows(pool, SLOTS + 100), want):
+    for got, ref in zip(raw_rows(pool, SLOTS + 100), want):
         np.testing.assert_array_equal(got, ref)
     conn.close()
     assert conn.stats()["pending_blocks"] == 0

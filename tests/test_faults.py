@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import random_mha_pool, raw_rows
 
 from jaxkv import MHAPool
 from jaxkv.connector import DiskStore, HostStore, KVConnector, TieredStore
@@ -64,17 +65,7 @@ for _name in ("makedirs", "write", "replace", "read", "head", "listdir", "stat",
 
 
 def _pool(seed: int = 0) -> MHAPool:
-    pool = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=4, layer_num=2)
-    rng = np.random.default_rng(seed)
-    loc = np.arange(pool.size + 1)
-    for layer in range(2):
-        k, v = (rng.standard_normal((loc.size, 1, 4)).astype(np.float32) for _ in range(2))
-        pool = pool.set_kv(layer, loc, k, v)
-    return pool
-
-
-def _rows(pool, slots):
-    return np.stack([np.array(b)[slots] for b in (*pool.k_buffer, *pool.v_buffer)])
+    return random_mha_pool(seed, size=128, head_dim=4, layer_num=2)
 
 
 def _disk(tmp_path, **kw):
@@ -101,7 +92,7 @@ def _assert_consistent(conn, store, root):
     dst, loaded = conn.load(dst, TOKENS, SLOTS + 60)
     assert loaded == n
     src = _pool()
-    np.testing.assert_array_equal(_rows(dst, SLOTS[:n] + 60), _rows(src, SLOTS[:n]))
+    np.testing.assert_array_equal(raw_rows(dst, SLOTS[:n] + 60), raw_rows(src, SLOTS[:n]))
 
 
 @pytest.mark.parametrize(

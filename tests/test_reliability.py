@@ -10,6 +10,7 @@ import time
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from conftest import random_mha_pool
 from hypothesis import HealthCheck, given, settings
 
 from jaxkv import MHAPool, PagedAllocator, ReqToTokenPool, TokenAllocator
@@ -20,11 +21,7 @@ ERRORS = (ValueError, TypeError, IndexError)
 
 
 def _pool(seed: int = 0) -> MHAPool:
-    pool = MHAPool.create(size=32, dtype=np.float32, head_num=1, head_dim=2, layer_num=1)
-    rng = np.random.default_rng(seed)
-    loc = np.arange(pool.size + 1)
-    k, v = (rng.standard_normal((loc.size, 1, 2)).astype(np.float32) for _ in range(2))
-    return pool.set_kv(0, loc, k, v)
+    return random_mha_pool(seed, size=32)
 
 
 def _conn(store=None) -> KVConnector:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import random_mha_pool, raw_rows, run_python, same_bits
 
 import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool
@@ -35,28 +35,11 @@ BS = 16
 
 
 def _pool(seed: int = 0, *, size: int = 64, layer_num: int = 1) -> MHAPool:
-    """A float32 pool whose every row holds distinct random values (row 0 too)."""
-    pool = MHAPool.create(size=size, dtype=np.float32, head_num=1, head_dim=2, layer_num=layer_num)
-    rng = np.random.default_rng(seed)
-    loc = np.arange(pool.size + pool.page_size)
-    for layer in range(layer_num):
-        k, v = (rng.standard_normal((loc.size, 1, 2)).astype(np.float32) for _ in range(2))
-        pool = pool.set_kv(layer, loc, k, v)
-    return pool
-
-
-def _rows(pool, slots) -> dict[str, np.ndarray]:
-    """K and V rows of every layer at `slots`, raw."""
-    return {
-        name: np.stack([np.array(b)[np.asarray(slots)] for b in getattr(pool, name)])
-        for name in ("k_buffer", "v_buffer")
-    }
+    return random_mha_pool(seed, size=size, layer_num=layer_num)
 
 
 def _assert_rows(pool, slots, want):
-    got = _rows(pool, slots)
-    for name in want:
-        np.testing.assert_array_equal(got[name].view(np.uint32), want[name].view(np.uint32))
+    assert same_bits(raw_rows(pool, slots), want)
 
 
 def _seq(i: int, blocks: int = 1) -> np.ndarray:
@@ -430,7 +413,7 @@ def _concurrent_store_and_load(store):
     src = _pool(size=128, layer_num=2)
     conn = KVConnector(src, store)
     src_slots = np.arange(1, 65)
-    want = _rows(src, src_slots)
+    want = raw_rows(src, src_slots)
     shared = np.arange(64) + 777_000  # every thread stores and loads this one too
     start = threading.Barrier(n_threads)
     written, loaded, errors = [], [], []
@@ -503,7 +486,7 @@ def test_disk_store_persists_across_instances(tmp_path):
     dst_slots = np.arange(65, 129)
     dst, n = conn2.load(dst, tokens, dst_slots)
     assert n == 64
-    _assert_rows(dst, dst_slots, _rows(src, slots))
+    _assert_rows(dst, dst_slots, raw_rows(src, slots))
     assert conn2.store(src, tokens, slots) == 0  # already on disk
 
 
@@ -523,7 +506,7 @@ def test_disk_store_persists_across_processes(tmp_path):
     proc = run_python("-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path), timeout=120)
     assert proc.stdout.split() == ["3"]
     src = _pool(seed=5, size=128, layer_num=2)
-    want = _rows(src, np.arange(10, 58))
+    want = raw_rows(src, np.arange(10, 58))
     tokens = _seq(9, blocks=3)
     for store in (early, DiskStore(tmp_path)):
         dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
@@ -669,7 +652,7 @@ def two_blocks(tmp_path):
     path = _record_path(tmp_path, conn.block_hashes(tokens)[1])
     with open(path, "rb") as f:
         good = f.read()
-    return conn, store, tokens, _rows(src, slots), path, good
+    return conn, store, tokens, raw_rows(src, slots), path, good
 
 
 def _load_after_tampering(conn, store, tokens, want, path, data, dst):
@@ -684,7 +667,7 @@ def _load_after_tampering(conn, store, tokens, want, path, data, dst):
         _assert_rows(dst, slots, want)
         return dst, False
     assert n == BS, n
-    _assert_rows(dst, slots[:BS], {k: v[:, :BS] for k, v in want.items()})
+    _assert_rows(dst, slots[:BS], want[:, :BS])
     assert not os.path.exists(path)
     assert store.stats()["verification_failures"] == failures + 1
     return dst, True
@@ -732,7 +715,7 @@ def test_disk_store_rejects_a_record_under_another_blocks_name(two_blocks, tmp_p
     shutil.copyfile(_record_path(tmp_path, conn.block_hashes(other)[0]), first)
     before = store.stats()["verification_failures"]
     dst = _pool(3)
-    raw = _rows(dst, np.arange(33, 65))
+    raw = raw_rows(dst, np.arange(33, 65))
     dst, n = conn.load(dst, tokens, np.arange(33, 65))
     assert n == 0
     _assert_rows(dst, np.arange(33, 65), raw)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_stores import _assert_rows, _pool, _rows, _seq
+from conftest import raw_rows
+from test_stores import _assert_rows, _pool, _seq
 
 from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector, TieredStore
 
@@ -78,7 +79,7 @@ def test_connector_on_a_stack_reloads_from_disk_after_the_host_tier_is_gone(tmp_
     tokens, slots = _seq(1, blocks=3), np.arange(48)
     with KVConnector(pool, _stack(tmp_path)) as conn:
         assert conn.store(pool, tokens, slots) == 3
-    want = _rows(pool, slots)
+    want = raw_rows(pool, slots)
     stack = _stack(tmp_path)  # a fresh host tier, the same disk
     conn = KVConnector(pool, stack)
     assert conn.lookup(tokens) == 48
