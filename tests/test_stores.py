@@ -25,7 +25,7 @@ from conftest import random_mha_pool, raw_rows, run_python, same_bits
 import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool
 from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector
-from jaxkv.connector._records import Segment
+from jaxkv.connector._records import Segment, is_block_of
 
 REPO = Path(__file__).resolve().parents[1]
 BS = 16
@@ -358,6 +358,16 @@ def test_host_store_keeps_segments_without_copying_and_counts_them_whole():
     assert st["evictions"] == 4 and store.memory_bytes == 128 + 64
     assert not any(store.contains(f"{j:064x}") for j in range(4))
     assert store.contains(f"{10:064x}") and store.contains(f"{30:064x}")
+
+
+def test_a_record_checked_as_its_segments_block_is_checked_again_when_its_parts_change():
+    segment = _segment(2)
+    record = _segment_records(segment, 0)[1]
+    assert is_block_of(record) and is_block_of(record)  # the second answer is remembered
+    record.parts["k"] = segment.host["k"][0]  # the mapping is the caller's: now block 0
+    assert not is_block_of(record)
+    record.parts["k"] = segment.host["k"][1]  # another array object of the same block
+    assert is_block_of(record)
 
 
 def test_host_store_copies_a_record_whose_source_is_not_its_memory():

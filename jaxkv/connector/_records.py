@@ -103,8 +103,22 @@ class BlockRecord:
 
 
 def is_block_of(record: BlockRecord) -> bool:
-    """Whether `record` has a source and its parts are exactly that block of the segment."""
-    return record.source is not None and record.source[0].holds(record.parts, record.source[1])
+    """Whether `record` has a source and its parts are exactly that block of the segment.
+
+    A record found to be is remembered with its part arrays: while it holds the same array
+    objects, later calls (every load of a stored prefix) compare identities, not addresses.
+    """
+    if record.source is None:
+        return False
+    parts = tuple(record.parts.values())
+    checked = record.__dict__.get("_block_parts")  # not a field: a frozen record's memo
+    if checked is not None and len(checked) == len(parts):
+        if all(a is b for a, b in zip(checked, parts)):
+            return True
+    if not record.source[0].holds(record.parts, record.source[1]):
+        return False
+    record.__dict__["_block_parts"] = parts
+    return True
 
 
 def encode(record: BlockRecord) -> bytes:
