@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -130,8 +131,10 @@ class _Static:
     share it, so identity is equality and a jit cache lookup compares one pointer instead of
     every field. `template` is the `__dict__` an unflattened pool starts from."""
 
-    __slots__ = ("key", "template")
-    _interned: ClassVar[dict] = {}
+    __slots__ = ("key", "template", "__weakref__")
+    # Weak: an entry lives while a pool, treedef or jit cache entry holds its object, so two
+    # live objects never share values, and pools of sizes no longer used are not kept.
+    _interned: ClassVar[weakref.WeakValueDictionary] = weakref.WeakValueDictionary()
 
     @classmethod
     def of(cls, pool, meta: tuple[str, ...]) -> _Static:
@@ -153,6 +156,10 @@ class _Static:
         # A copy from a pickle is the interned object of its values, not a stranger whose
         # pools would compare unequal (and retrace) against equal ones.
         return (_Static.intern, self.key)
+
+    def __repr__(self) -> str:  # how a treedef prints it (e.g. in tree_map's mismatch errors)
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.template.items())
+        return f"{self.key[0].__name__}({fields})"
 
 
 def _create_method(cls, sizes: list[str]):

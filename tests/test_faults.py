@@ -251,6 +251,10 @@ def test_a_strict_tier_raises_through_a_stack_and_what_faster_tiers_stored_count
     assert len(host) == N_BLOCKS and _kvb_files(tmp_path) == 2
     assert st["blocks_stored"] == st["store"]["blocks_stored"] == N_BLOCKS
     assert st["io_errors"] == st["store"]["io_errors"] == 1
+    lenient = TieredStore(HostStore(1 << 20), _disk(tmp_path / "b")[0])
+    assert not lenient.strict
+    lenient.strict = True  # as on any store
+    assert lenient.strict and not lenient.tiers[1].strict
 
 
 def test_strict_async_failure_reaches_flush_but_not_load(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import re
 from pathlib import Path
@@ -270,9 +271,11 @@ def test_pytree_rebuilt_pool_flattens_to_its_own_buffers(kv, pool_kind):
         f".{name}[{li}]" for name in kv.buffer_names(pool_kind) for li in range(2)
     ]
     assert not mapped.consumed and mapped.size == pool.size
-    copy = pickle.loads(pickle.dumps(mapped))
-    assert jax.tree_util.tree_structure(copy) == jax.tree_util.tree_structure(pool)
-    assert kv.same_bits(kv.host(jax.tree.leaves(copy)[0]), kv.host(leaves[0]))
+    treedef = jax.tree_util.tree_structure(pool)
+    for copied in (pickle.loads(pickle.dumps(mapped)), copy.deepcopy(mapped), copy.copy(mapped)):
+        assert jax.tree_util.tree_structure(copied) == treedef
+        assert kv.same_bits(kv.host(jax.tree.leaves(copied)[0]), kv.host(leaves[0]))
+    assert f"size={pool.size}" in str(treedef)  # its statics print in messages
 
 
 def test_jit_over_two_equal_pools_traces_once(kv, pool_kind):

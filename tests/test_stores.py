@@ -9,6 +9,7 @@ and verification: no damaged, truncated or misplaced record file is ever loaded.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -360,14 +361,26 @@ def test_host_store_keeps_segments_without_copying_and_counts_them_whole():
     assert store.contains(f"{10:064x}") and store.contains(f"{30:064x}")
 
 
-def test_a_record_checked_as_its_segments_block_is_checked_again_when_its_parts_change():
+def test_a_record_checked_as_its_segments_block_is_checked_again_when_its_parts_change(
+    monkeypatch,
+):
     segment = _segment(2)
     record = _segment_records(segment, 0)[1]
-    assert is_block_of(record) and is_block_of(record)  # the second answer is remembered
+    checks = []
+    holds = Segment.holds
+    monkeypatch.setattr(Segment, "holds", lambda *a: checks.append(1) or holds(*a))
+    assert is_block_of(record) and is_block_of(record)
+    assert len(checks) == 1, "the second answer is remembered"
     record.parts["k"] = segment.host["k"][0]  # the mapping is the caller's: now block 0
     assert not is_block_of(record)
     record.parts["k"] = segment.host["k"][1]  # another array object of the same block
     assert is_block_of(record)
+    record.parts["v"] = record.parts.pop("k")  # the same array under another name
+    assert not is_block_of(record)
+    record.parts["k"] = record.parts.pop("v")
+    assert is_block_of(record) and len(checks) == 4
+    copied = copy.deepcopy(record)  # other memory, claiming the same block
+    assert "_block_parts" not in copied.__dict__ and not is_block_of(copied)
 
 
 def test_host_store_copies_a_record_whose_source_is_not_its_memory():

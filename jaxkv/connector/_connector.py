@@ -189,13 +189,16 @@ class KVConnector:
         root = _hashing.root_hash(self.namespace, fingerprint or self.fingerprint, salt)
         last = self._chains.get(root)  # one read: another thread may replace it meanwhile
         if last is not None and last[0].startswith(data):
-            return last[1][: len(data) // (4 * self.block_size)]
-        digests = _hashing.chain(root, data, self.block_size)
-        with self._lock:
-            self._chains[root] = (data, digests)
+            digests = last[1]
+        else:
+            digests = _hashing.chain(root, data, self.block_size)
+            last = (data, digests)
+        with self._lock:  # the root becomes the most recently used
+            self._chains.pop(root, None)
+            self._chains[root] = last
             while len(self._chains) > _KEPT_CHAINS:
-                del self._chains[next(iter(self._chains))]  # the oldest root's
-        return list(digests)
+                del self._chains[next(iter(self._chains))]  # the least recently used root's
+        return digests[: len(data) // (4 * self.block_size)]
 
     def block_hashes(
         self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None

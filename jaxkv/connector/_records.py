@@ -101,6 +101,10 @@ class BlockRecord:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.parts.values())
 
+    def __getstate__(self):
+        # A copy's parts are other memory: it does not inherit `is_block_of`'s memo.
+        return {k: v for k, v in self.__dict__.items() if k != "_block_parts"}
+
 
 def is_block_of(record: BlockRecord) -> bool:
     """Whether `record` has a source and its parts are exactly that block of the segment.
@@ -110,10 +114,10 @@ def is_block_of(record: BlockRecord) -> bool:
     """
     if record.source is None:
         return False
-    parts = tuple(record.parts.values())
+    parts = tuple(record.parts.items())
     checked = record.__dict__.get("_block_parts")  # not a field: a frozen record's memo
     if checked is not None and len(checked) == len(parts):
-        if all(a is b for a, b in zip(checked, parts)):
+        if all(n == m and a is b for (n, a), (m, b) in zip(checked, parts)):
             return True
     if not record.source[0].holds(record.parts, record.source[1]):
         return False

@@ -51,6 +51,7 @@ class TieredStore(BlockStore):
             if not isinstance(store, BlockStore):
                 raise TypeError(f"stores[{i}]: expected a BlockStore, got {type(store).__name__}")
         self.tiers = tuple(stores)
+        self._strict = False
         self._counters["promotions"] = 0
 
     def __len__(self) -> int:
@@ -58,8 +59,13 @@ class TieredStore(BlockStore):
 
     @property
     def strict(self) -> bool:
-        """Whether a tier raises its I/O errors: a connector then passes them on too."""
-        return any(tier.strict for tier in self.tiers)
+        """Whether the stack raises I/O errors: set on it, or on any tier (a connector then
+        passes a tier's error on too)."""
+        return self._strict or any(tier.strict for tier in self.tiers)
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self._strict = bool(value)
 
     @property
     def nbytes(self) -> int:
