@@ -5,6 +5,8 @@ import json
 import os
 import re
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import REPO as ROOT
 from conftest import SMALL_DECODER, run_python
@@ -90,6 +92,22 @@ def test_bench_runs_every_section_and_target_and_writes_well_formed_json(tmp_pat
         assert f"[{verdict}] {target['target']}: {value:.2f}" in printed
     titles = ("updates on", "connector (GB/s", "hashing (", "allocators (", "store_async:")
     assert all(title in printed for title in titles)
+
+
+@pytest.mark.parametrize("kind", ("mha", "mla", "k_only"))
+def test_bench_accelerator_contenders_run_here_too(kind, monkeypatch):
+    """The accelerator-only update contenders (floors and the update over buffer lists), run
+    on CPU so that CI calls them: a GPU is not where their code should first be run."""
+    monkeypatch.setattr(bench, "accelerated", lambda: True)
+    rng = np.random.default_rng(0)
+    cases, reps, nbytes = bench._update_cases(kind, jnp.bfloat16, 256, 16, True, False, rng)
+    assert reps == 64 and nbytes > 0
+    assert set(cases) == {
+        "jaxkv eager", "jaxkv jit", "jaxkv jit raw bits", "naive JAX",
+        "plain donated .at[].set", "jaxkv jit over buffer lists", "device copy",
+    }  # fmt: skip
+    for run in cases.values():
+        run()
 
 
 def test_bench_plot_without_matplotlib_or_with_it(tmp_path, capsys):
