@@ -35,6 +35,7 @@ from jaxkv.connector._transfers import (
     as_one_array,
     gather_blocks,
     gather_segment,
+    per_block,
     segment_staging,
     stage_blocks,
 )
@@ -394,8 +395,7 @@ class KVConnector:
         # HostStore lent for them, or of reused staging, valid until `staging` is given back.
         segment = gather_segment(view, rows, bs)
         if segment is not None:
-            parts = [{k: a[j] for k, a in segment.host.items()} for j in range(len(missing))]
-            staging = []
+            parts, staging = per_block(segment.host, len(missing)), []
         else:
             parts, staging = stage_blocks(view, rows, bs, self._staging, self.backend)
         records = [

@@ -57,7 +57,7 @@ class Segment:
         # Per part: block 0's address, the step between blocks, a block's shape, strides and
         # dtype; what `holds` compares a record's arrays with, without making views.
         self._block_0 = {
-            name: (_address(a), a.strides[0], a.shape[1:], a.strides[1:], a.dtype)
+            name: (address(a), a.strides[0], a.shape[1:], a.strides[1:], a.dtype)
             for name, a in self.host.items()
         }
 
@@ -72,13 +72,14 @@ class Segment:
                 arr.shape != shape
                 or arr.strides != strides
                 or arr.dtype != dtype
-                or _address(arr) != start + index * step
+                or address(arr) != start + index * step
             ):
                 return False
         return True
 
 
-def _address(arr: np.ndarray) -> int:
+def address(arr: np.ndarray) -> int:
+    """Where `arr`'s data starts in memory."""
     return arr.__array_interface__["data"][0]
 
 

@@ -22,7 +22,7 @@ from jaxkv.connector._block_kernels import (
     pick_layers_jit,
 )
 from jaxkv.connector._pool_views import PoolView
-from jaxkv.connector._records import Segment
+from jaxkv.connector._records import Segment, address
 from jaxkv.connector._staging import (
     StagingCache,
     StagingSlot,
@@ -120,7 +120,7 @@ def as_one_array(arrays: list[np.ndarray]):
         a.dtype != first.dtype for a in arrays
     ):
         return _Blocks(arrays)
-    addresses = np.array([a.__array_interface__["data"][0] for a in arrays], np.int64)
+    addresses = np.array([address(a) for a in arrays], np.int64)
     step = int(addresses[1] - addresses[0]) if len(arrays) > 1 else first.nbytes
     if step >= first.nbytes and np.all(np.diff(addresses) == step):
         return np.lib.stride_tricks.as_strided(
@@ -164,7 +164,7 @@ def stage_blocks(
             dests = {
                 k: cache.take((n_blocks, *shape), dtype) for k, (shape, dtype) in shapes.items()
             }
-            blocks = _per_block(dests, n_blocks)
+            blocks = per_block(dests, n_blocks)
             give_back = list(dests.values())
         for part, bufs in zip(parts, layers):
             _copy_blocks(bufs, starts, block_size, dests[part.key])
@@ -180,10 +180,10 @@ def stage_blocks(
     if largest <= _FRESH_MMAP_BYTES or any(
         view.host_layers(p) is not None for p in view.layout.parts
     ):
-        return _per_block(gather_blocks(view, slots, block_size), n_blocks), []
+        return per_block(gather_blocks(view, slots, block_size), n_blocks), []
     platform = next(iter(view.arrays()[0][0].sharding.device_set)).platform
     if platform != "cpu":
-        return _per_block(gather_blocks(view, slots, block_size), n_blocks), []
+        return per_block(gather_blocks(view, slots, block_size), n_blocks), []
     codecs = tuple(p.codec for p in view.layout.parts)
     per_layer = gather_layers_jit(view.arrays(), slots.astype(np.int32), starts, codecs, block_size)
     jax.block_until_ready(per_layer)
@@ -193,10 +193,10 @@ def stage_blocks(
         buf = cache.take(shape, part.bits_dtype)
         np.stack([to_host(x) for x in layers], axis=1, out=buf)
         out[part.key] = buf
-    return _per_block(out, n_blocks), list(out.values())
+    return per_block(out, n_blocks), list(out.values())
 
 
-def _per_block(staged: dict[str, np.ndarray], n_blocks: int) -> list[dict[str, np.ndarray]]:
+def per_block(staged: dict[str, np.ndarray], n_blocks: int) -> list[dict[str, np.ndarray]]:
     """Block-major staging `(n_blocks, ...)` per part as each block's parts."""
     return [{key: arr[j] for key, arr in staged.items()} for j in range(n_blocks)]
 

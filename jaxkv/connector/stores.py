@@ -17,7 +17,7 @@ import logging
 import mmap
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -472,11 +472,7 @@ class HostStore(BlockStore):
             them; `reservation.release()` gives back whatever no `put` kept. None when the
             store cannot lend that much now (then `put` copies as usual).
         """
-        layout, size = [], 0
-        for name, (shape, dtype) in parts.items():
-            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            layout.append((name, size, nbytes, tuple(shape), np.dtype(dtype)))
-            size += _round_up(nbytes)
+        size = sum(_round_up(_nbytes(shape, dtype)) for shape, dtype in parts.values())
         if not size or count * size > self.capacity_bytes:
             return None
         slots: list[_Slot] = []
@@ -488,13 +484,7 @@ class HostStore(BlockStore):
                         self._give_up(taken)
                     return None
                 slots.append(slot)
-        arrays = [
-            {
-                name: slot.base[offset : offset + nbytes].view(dtype).reshape(shape)
-                for name, offset, nbytes, shape, dtype in layout
-            }
-            for slot in slots
-        ]
+        arrays = [_parts_in(slot, parts) for slot in slots]
         keys = [id(next(iter(a.values()))) for a in arrays]
         with self._lock:
             self._reserved.update(zip(keys, zip(slots, arrays)))
@@ -670,13 +660,25 @@ class _Reservation:
         self._keys = []
 
 
+def _nbytes(shape: tuple[int, ...], dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _parts_in(slot: _Slot, parts: Mapping[str, tuple[tuple[int, ...], np.dtype]]):
+    """Arrays of `parts` (name -> shape, dtype) laid one after another in `slot`, each at a
+    rounded offset: how `put` lays out a copied record and `_reserve` a lent one."""
+    out, offset = {}, 0
+    for name, (shape, dtype) in parts.items():
+        nbytes = _nbytes(shape, dtype)
+        out[name] = slot.base[offset : offset + nbytes].view(dtype).reshape(shape)
+        offset += _round_up(nbytes)
+    return out
+
+
 def _copy_into(record: BlockRecord, slot: _Slot) -> BlockRecord:
     """A read-only copy of `record` in `slot`, its parts one after another."""
-    parts, offset = {}, 0
-    for name, arr in record.parts.items():
-        dst = slot.base[offset : offset + arr.nbytes].view(arr.dtype).reshape(arr.shape)
-        np.copyto(dst, arr)
+    parts = _parts_in(slot, {name: (a.shape, a.dtype) for name, a in record.parts.items()})
+    for name, dst in parts.items():
+        np.copyto(dst, record.parts[name])
         dst.flags.writeable = False
-        parts[name] = dst
-        offset += _round_up(arr.nbytes)
     return dataclasses.replace(record, parts=parts, source=None)

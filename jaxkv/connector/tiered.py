@@ -165,14 +165,17 @@ class TieredStore(BlockStore):
         stored = [False] * len(records)
         try:
             for tier in self.tiers:
+                answers: Sequence[bool] = ()
                 try:
                     answers = tier.put_many(records)
                 except Exception as err:
-                    answers = getattr(err, "jaxkv_written", ())
-                    err.jaxkv_written = [a or b for a, b in zip(stored, _padded(answers, stored))]
-                    stored = err.jaxkv_written
+                    answers = getattr(err, "jaxkv_written", ())  # a prefix of the records'
                     raise
-                stored = [a or b for a, b in zip(stored, answers)]
+                finally:
+                    stored[: len(answers)] = [a or b for a, b in zip(stored, answers)]
+        except Exception as err:
+            err.jaxkv_written = stored
+            raise
         finally:
             with self._lock:
                 self._counters["blocks_stored"] += sum(stored)
@@ -183,8 +186,3 @@ class TieredStore(BlockStore):
 
     def put(self, record: BlockRecord) -> bool:
         return self.put_many([record])[0]
-
-
-def _padded(answers: Sequence[bool], like: Sequence) -> list[bool]:
-    """A partial list of answers (a tier's, up to its error) extended with `False`."""
-    return [*answers, *[False] * (len(like) - len(answers))]
