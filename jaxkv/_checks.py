@@ -1,4 +1,4 @@
-"""The integer argument check every public constructor and setter shares."""
+"""The argument checks every public constructor and setter shares."""
 
 from __future__ import annotations
 
@@ -23,3 +23,29 @@ def int_arg(name: str, value, *, low: int = 1, high: int | None = None, expected
 def is_int(value) -> bool:
     """Whether `value` is an integer (Python or numpy), a bool excluded."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def bool_arg(name: str, value) -> bool:
+    """`value` when it is a bool (Python or numpy); else `TypeError` naming `name`.
+
+    Flags are never taken from truthiness: `strict="no"` would otherwise turn strictness on.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool (True or False), got {value!r}")
+    return bool(value)
+
+
+def text_arg(name: str, value) -> str:
+    """`value` when it is a str that UTF-8 can encode (keys, salts, namespaces are hashed or
+    sent as its UTF-8 bytes); else `TypeError` (not a str) or `ValueError` (a lone surrogate
+    such as `"\\ud800"`) naming `name`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{name}: expected a str UTF-8 can encode, got {value!r} "
+            f"({err.reason} at index {err.start})"
+        ) from None
+    return value

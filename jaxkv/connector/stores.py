@@ -70,6 +70,8 @@ _COUNTERS = (
     "evictions",
     "io_errors",
     "rejected",
+    "discarded",
+    "undiscarded",
 )
 
 
@@ -118,6 +120,8 @@ class BlockStore(abc.ABC):
         - `io_errors`: failed file or network operations (each also a miss or a dropped
           write, unless the store is strict).
         - `rejected`: records refused because they cannot fit.
+        - `discarded`: records removed by `discard` (a caller found them wrong);
+          `undiscarded`: `discard` calls for records this store cannot remove.
         - `blocks`, `bytes`: what the store holds now.
 
         Returns:
@@ -176,6 +180,28 @@ class BlockStore(abc.ABC):
 
     @abc.abstractmethod
     def __len__(self) -> int: ...
+
+    def discard(self, key: str) -> bool:
+        """Removes the record held under `key`, if any, because a caller found it wrong: the
+        record of another block, another layout or other tokens than its key names (a store
+        answered the wrong record), or damaged in a way only the caller can see.
+
+        The connector calls it for every record that fails its checks, so that `contains`
+        stops promising that record and the next `put` of the block writes a good one.
+        Stores override it; this default cannot remove anything: it counts the call in
+        `stats()["undiscarded"]` and returns `False`.
+
+        Args:
+            key: the block key the record was fetched for.
+
+        Returns:
+            `True` when a record was removed (counted in `stats()["discarded"]`).
+
+        Raises:
+            OSError: the removal failed, only when strict.
+        """
+        self._count("undiscarded")
+        return False
 
     # ---- batches ---------------------------------------------------------------------------
     # The connector asks for all the blocks of a call at once, so that a remote store answers
