@@ -28,3 +28,13 @@ class CopyWarning(UserWarning):
     consumed all the same), but it cost a full copy of the buffer. Release the view, or copy
     what you need out of it, before updating.
     """
+
+
+class StoreReplyError(OSError):
+    """A block store answered a call with something that is not an answer: a result of the
+    wrong type or length, or an exception that is not an I/O error.
+
+    The connector treats it as the store failing (counted in `io_errors`, a miss or a dropped
+    write) and raises it only when strict. It subclasses `OSError`, the class of every store
+    failure a strict caller catches.
+    """

@@ -26,7 +26,9 @@ SCRIPT = textwrap.dedent(
     conn = KVConnector(pool, HostStore(1 << 20))
     exported = conn.export_blocks(pool, slots)
     assert exported["k"].shape == (1, 2, 16, 8, 16)           # full rows, whatever the sharding
-    assert conn.store(pool, np.arange(16), slots) == 4             # one record per shard
+    assert conn.store(pool, np.arange(16), slots) == 1             # blocks, not records
+    assert conn.stats()["records_stored"] == 4                     # one record per shard
+    assert conn.store(pool, np.arange(16), slots) == 0             # stored already
     pool, n = conn.load(pool, np.arange(16), np.arange(30, 46))
     assert n == 16
     assert all(b.sharding == heads for b in pool.k_buffer + pool.v_buffer)

@@ -19,14 +19,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxkv._checks import int_arg, is_int
+from jaxkv._checks import bool_arg, int_arg, is_int, text_arg
 from jaxkv.connector import _hashing, _shards
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord, Segment, is_block_of
@@ -40,6 +40,7 @@ from jaxkv.connector._transfers import (
     stage_blocks,
 )
 from jaxkv.connector.stores import BlockStore, FailureLog, strict_scope
+from jaxkv.errors import StoreReplyError
 
 # A load sends a whole segment back to the device when it needs at least this share of its
 # bytes; for fewer blocks, copying them on the host into pinned staging moves less. On an H200,
@@ -82,10 +83,16 @@ class KVConnector:
     Args:
         pool: a jaxkv pool, or an object with SGLang-style per-layer buffers (`kv_buffer`
             [+ `index_k_with_scale_buffer`], `k_buffer` + `v_buffer`, or `k_buffer`).
-        store: where blocks go (`HostStore`, `DiskStore`, or any `BlockStore`).
+        store: where blocks go (`HostStore`, `DiskStore`, `RedisStore`, `TieredStore`, or any
+            `BlockStore` subclass).
         block_size: tokens per block; defaults to the pool's page size when above 1, else 16;
             must be a positive multiple of the page size.
-        namespace: separates models (or deployments) sharing one store.
+        namespace: names the model whose KV the blocks hold, and must identify its WEIGHTS,
+            not only its architecture: two pools of one layout fed by different weights (a
+            fine-tune, another checkpoint, another quantisation) hold different KV for the
+            same tokens, and only the namespace keeps their blocks apart. Put the checkpoint's
+            identity in it, e.g. `f"llama-3-8b-instruct@{checkpoint_sha256[:16]}"`; the
+            default `"default"` is only safe for a store that one model's weights ever use.
         shard: which shard of a model this pool holds, for per-rank pools of tensor-parallel
             deployments (e.g. "tp3of8"); jaxkv pools keep "full". A jaxkv pool placed over
             several devices is moved shard by shard, each under its own coordinates (see
@@ -112,7 +119,18 @@ class KVConnector:
             buffers jaxkv cannot move.
         ValueError: a `block_size` that is not a positive multiple of the page size, or a
             `max_pending` that is not a positive int.
-        TypeError: a `strict` that is not a bool, or a `namespace` that is not a str.
+        TypeError: a `store` that is not a `BlockStore`, a `strict` that is not a bool, or a
+            `namespace` or `shard` that is not a str.
+        ValueError: a `namespace` or `shard` that UTF-8 cannot encode (a lone surrogate).
+
+    Whatever the store answers, a record is loaded only when it is the record of the key it
+    was fetched for (its key, layout, token digest, part names, shapes and dtypes); one that
+    is not is a miss, counted in `verification_failures`, and discarded from the store
+    (`BlockStore.discard`), so `lookup` stops counting it and the next `store` repairs it. A
+    store that raises, or answers with something that is not an answer (a list of the wrong
+    length, values of the wrong type), is failing: counted in `io_errors` and logged, a miss
+    or a dropped write, unless `strict` (then `OSError`, `StoreReplyError` for a malformed
+    answer, is raised).
 
     After `close()`, `store`, `store_async` and `load` raise `RuntimeError`.
     """
@@ -128,6 +146,11 @@ class KVConnector:
         max_pending: int = 8,
         strict: bool = False,
     ):
+        if not isinstance(store, BlockStore):
+            raise TypeError(
+                "store: expected a BlockStore (HostStore, DiskStore, RedisStore, TieredStore or "
+                f"a subclass of jaxkv.connector.BlockStore), got {type(store).__name__}"
+            )
         view = view_of(pool)
         page = view.layout.page_size
         if block_size is None:
@@ -138,14 +161,11 @@ class KVConnector:
                 f"got {block_size!r}"
             )
         int_arg("max_pending", max_pending)
-        if not isinstance(strict, bool):
-            raise TypeError(f"strict: expected a bool, got {type(strict).__name__}")
-        if not isinstance(namespace, str):
-            raise TypeError(f"namespace: expected a str, got {type(namespace).__name__}")
+        strict = bool_arg("strict", strict)
         self.backend = store
         self.block_size = int(block_size)
-        self.namespace = namespace
-        self.layout = dataclasses.replace(view.layout, shard=str(shard))
+        self.namespace = text_arg("namespace", namespace)
+        self.layout = dataclasses.replace(view.layout, shard=text_arg("shard", shard))
         self.fingerprint = self.layout.fingerprint(self.block_size)
         self._shards = _shards.plan(view, self.layout, self.block_size)
         self._staging = StagingCache()
@@ -168,9 +188,12 @@ class KVConnector:
                 "misses",
                 "blocks_stored",
                 "blocks_loaded",
+                "records_stored",
+                "records_loaded",
                 "bytes_stored",
                 "bytes_loaded",
                 "verification_failures",
+                "discarded",
                 "io_errors",
                 "async_failures",
             ),
@@ -264,12 +287,14 @@ class KVConnector:
         store is asked about the other keys in one batch (`stop_at_miss`: see `BlockStore`)."""
         with self._lock:
             pending = set(self._pending)
+        ask = [k for k in keys if k not in pending]
         asked = iter(
             self._call(
                 "read",
                 lambda ks: self.backend.contains_many(ks, stop_at_miss=stop_at_miss),
-                [k for k in keys if k not in pending],
+                ask,
                 None,
+                check=lambda answer: _answers(answer, len(ask), _is_bool, "bools"),
             )
             or ()
         )
@@ -280,19 +305,48 @@ class KVConnector:
                 return held + [False] * (len(keys) - len(held))
         return held
 
-    def _call(self, kind: str, method, arg, failed):
-        """`method(arg)` on the store; an `OSError` it raises is counted and logged (unless
-        the store did both already), then raised when this connector or the store is strict,
-        else answered with `failed` (a miss, a dropped write)."""
+    def _call(self, kind: str, method, arg, failed, check=None):
+        """`method(arg)` on the store, its answer passed through `check` (which returns it
+        or raises `StoreReplyError`). A failure (an `OSError`, any other exception the store
+        raises, a malformed answer) is counted and logged (unless the store did both
+        already), then raised when this connector or the store is strict (a non-`OSError` as
+        `StoreReplyError`), else answered with `failed` (a miss, a dropped write)."""
+        store = type(self.backend).__name__
         try:
-            return method(arg)
+            answer = method(arg)
         except OSError as err:
             if not getattr(err, "jaxkv_counted", False):
                 self._count("io_errors")
                 self._failures.note(kind, err)
-            if self.strict or getattr(self.backend, "strict", False):
+            if self._strict_store():
                 raise
             return failed
+        except Exception as err:
+            why = f"{store} {kind} raised {type(err).__name__}: {err}"
+            return self._store_failed(kind, StoreReplyError(why), err, failed)
+        if check is None:
+            return answer
+        try:
+            return check(answer)
+        except StoreReplyError as err:
+            why = f"{store} {kind} answered wrongly: {err}"
+            return self._store_failed(kind, StoreReplyError(why), None, failed)
+
+    def _store_failed(self, kind: str, failure: StoreReplyError, cause, failed):
+        self._count("io_errors")
+        self._failures.note(kind, failure)
+        if self._strict_store():
+            raise failure from cause
+        return failed
+
+    def _strict_store(self) -> bool:
+        """Whether store failures are raised: this connector or its store is strict."""
+        if self.strict:
+            return True
+        try:
+            return getattr(self.backend, "strict", False) is True
+        except Exception:  # a store whose `strict` itself fails is not asking to raise
+            return False
 
     def _check_open(self) -> None:
         if self._closed:
@@ -364,21 +418,23 @@ class KVConnector:
             )
         return gather_blocks(view, self._slots(slots, n, view.layout.rows), self.block_size)
 
-    def _snapshot(self, pool, token_ids, slots, salt) -> tuple[list[BlockRecord], list]:
-        """Records of the full blocks not yet stored (nor being written), copied to host, and
+    def _snapshot(self, pool, token_ids, slots, salt) -> tuple[list[BlockRecord], list[int], list]:
+        """Records of the full blocks not yet stored (nor being written), copied to host; the
+        block each record belongs to (a sharded pool has a record per shard of a block); and
         the staging buffers they live in (give those back once the records are written)."""
         view = self._view(pool)
         data = _hashing.token_bytes(token_ids)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
         if self._shards is None:
             return self._snapshot_view(view, self.fingerprint, data, slots, salt)
-        records, staging = [], []
+        records, blocks, staging = [], [], []
         for group, replicas in _shards.shard_views(self._shards, view):
             if group.stores:
                 got = self._snapshot_view(replicas[0], group.fingerprint, data, slots, salt)
                 records += got[0]
-                staging += got[1]
-        return records, staging
+                blocks += got[1]
+                staging += got[2]
+        return records, blocks, staging
 
     def _snapshot_view(self, view: PoolView, fingerprint: str, data: bytes, slots, salt):
         """`_snapshot` of one pool or shard whose blocks are keyed under `fingerprint`."""
@@ -387,7 +443,7 @@ class KVConnector:
             held = self._held([d.hex() for d in digests])
         missing = [i for i, h in enumerate(held) if not h]
         if not missing:
-            return [], []
+            return [], [], []
         bs = self.block_size
         rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in missing])
         # Accelerators: the transfer's pinned output becomes the records' memory (a segment
@@ -408,31 +464,34 @@ class KVConnector:
             )
             for j, i in enumerate(missing)
         ]
-        return records, staging
+        return records, missing, staging
 
-    def _write(self, records: list[BlockRecord]) -> int:
-        written = 0
+    def _write(self, records: list[BlockRecord], blocks: list[int]) -> int:
+        """Puts `records` (record j holds a shard of block `blocks[j]`, or the whole block);
+        returns the number of blocks of which a record was newly written."""
         results: list[bool] = []
 
         def put_many(batch):
             try:
-                results.extend(self.backend.put_many(batch))
+                answer = self.backend.put_many(batch)
             except Exception as err:
                 # The records that landed before the error are counted (strict runs raise).
-                results.extend(getattr(err, "jaxkv_written", ()))
+                landed = getattr(err, "jaxkv_written", ())
+                if isinstance(landed, (list, tuple)) and all(map(_is_bool, landed)):
+                    results.extend(landed[: len(batch)])
                 raise
+            results.extend(_answers(answer, len(batch), _is_bool, "bools"))
 
         try:
             with strict_scope(self.strict):
                 self._call("write", put_many, records, None)
         finally:
-            for record, new in zip(records, results):
-                if new:
-                    written += 1
-                    with self._lock:
-                        self._counters["blocks_stored"] += 1
-                        self._counters["bytes_stored"] += record.nbytes
-        return written
+            new = [j for j, landed in enumerate(results) if landed]
+            with self._lock:
+                self._counters["records_stored"] += len(new)
+                self._counters["blocks_stored"] += len({blocks[j] for j in new})
+                self._counters["bytes_stored"] += sum(records[j].nbytes for j in new)
+        return len({blocks[j] for j in new})
 
     def store(
         self,
@@ -452,8 +511,9 @@ class KVConnector:
 
         Returns:
             The number of blocks newly written (a block the store failed to write is not
-            counted; see `strict`); on a sharded pool, block records (one per shard of each
-            block) that this process wrote.
+            counted; see `strict`). On a sharded pool, a block counts when this process newly
+            wrote a record of any of its shards; `stats()["records_stored"]` counts the
+            records.
 
         Raises:
             RuntimeError: the connector is closed.
@@ -465,9 +525,9 @@ class KVConnector:
         """
         self._check_open()
         with strict_scope(self.strict):
-            records, staging = self._snapshot(pool, token_ids, slots, salt)
+            records, blocks, staging = self._snapshot(pool, token_ids, slots, salt)
         try:
-            return self._write(records)
+            return self._write(records, blocks)
         finally:
             self._give_back(staging)
 
@@ -512,7 +572,7 @@ class KVConnector:
         """
         self._check_open()
         with strict_scope(self.strict):
-            records, staging = self._snapshot(pool, token_ids, slots, salt)
+            records, blocks, staging = self._snapshot(pool, token_ids, slots, salt)
         if not records:
             done: Future = Future()
             done.set_result(0)
@@ -526,16 +586,18 @@ class KVConnector:
                 self._check_open()
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-store")
-            future = self._executor.submit(self._background_write, records, keys, staging)
+            future = self._executor.submit(
+                self._background_write, records, blocks, keys, staging
+            )
             for key in keys:
                 self._pending[key] = future
         return future
 
-    def _background_write(self, records: list[BlockRecord], keys: list[str], staging) -> int:
+    def _background_write(self, records: list[BlockRecord], blocks: list[int], keys, staging):
         # Errors and pending keys are settled here, before the future completes, so `flush`
         # and `load` never see a finished write as still pending or miss its error.
         try:
-            return self._write(records)
+            return self._write(records, blocks)
         except BaseException as err:
             with self._lock:
                 self._errors.append(err)
@@ -651,6 +713,7 @@ class KVConnector:
             else:
                 pool = self._write_staged(view, [records[i] for i in group], rows)
         self._count("blocks_loaded", len(records))
+        self._count("records_loaded", len(records))
         self._count("bytes_loaded", len(records) * self.layout.block_nbytes(bs))  # all checked
         return pool, n
 
@@ -664,7 +727,11 @@ class KVConnector:
         records: list[BlockRecord] = []
         with strict_scope(self.strict):
             got = self._call(
-                "read", lambda ks: self.backend.get_many(ks, stop_at_miss=True), keys, None
+                "read",
+                lambda ks: self.backend.get_many(ks, stop_at_miss=True),
+                keys,
+                None,
+                check=lambda answer: _answers(answer, len(keys), _is_record_or_none, "records"),
             )
         want = {
             p.key: ((self.layout.layer_num, bs, *p.row_shape), p.bits_dtype) for p in layout.parts
@@ -673,11 +740,20 @@ class KVConnector:
             if record is None:
                 break
             block = data[4 * i * bs : 4 * (i + 1) * bs]
-            if not self._valid(record, block, fingerprint, want):
+            if not _valid(record, keys[i], block, fingerprint, want):
                 self._count("verification_failures")
+                self._discard(keys[i])
                 break
             records.append(record)
         return records, len(digests)
+
+    def _discard(self, key: str) -> None:
+        """Removes the record the store served for `key`, which failed the checks, so that
+        `lookup` stops promising it and the next `store` writes the block again."""
+        with strict_scope(self.strict):
+            removed = self._call("discard", self.backend.discard, key, False, check=_checked_bool)
+        if removed:
+            self._count("discarded")
 
     def _load_shards(self, view: PoolView, data: bytes, slots, salt):
         """`load` of a sharded pool: the prefix every shard of this process holds, written
@@ -697,6 +773,7 @@ class KVConnector:
             for replica, device in zip(replicas, group.devices):
                 written[device] = self._write_staged(replica, records[:n_blocks], rows)
             self._count("bytes_loaded", n_blocks * group.layout.block_nbytes(bs))
+            self._count("records_loaded", n_blocks)
         self._count("blocks_loaded", n_blocks)
         return _shards.rebuild(view, placed, written), n_blocks * bs
 
@@ -750,22 +827,6 @@ class KVConnector:
                 staging.append(slot)
             return view.write(rows, staging, bs)
 
-    def _valid(self, record: BlockRecord, block_tokens: bytes, fingerprint: str, want) -> bool:
-        """Whether `record` is the block of `block_tokens`: its layout `fingerprint`, its
-        tokens' digest, and each part's shape and dtype as `want` (key -> (shape, dtype))."""
-        if record.layout != fingerprint:
-            return False
-        if record.tokens != _hashing.block_digest(block_tokens):
-            return False
-        parts = record.parts
-        if len(parts) != len(want):
-            return False
-        for key, (shape, dtype) in want.items():
-            arr = parts.get(key)
-            if arr is None or arr.shape != shape or arr.dtype != dtype:
-                return False
-        return True
-
     def stats(self) -> dict[str, Any]:
         """Counters of this connector, each with one meaning (blocks are full blocks):
 
@@ -775,9 +836,12 @@ class KVConnector:
           the blocks after that prefix (absent, damaged, or failing to read).
         - `blocks_stored`, `bytes_stored`: blocks newly written by `store` and `store_async`
           (bytes of their arrays); `blocks_loaded`, `bytes_loaded`: blocks copied by `load`
-          (`blocks_loaded == hits`).
+          (`blocks_loaded == hits`). `records_stored`, `records_loaded`: the same in records,
+          one per shard of a block on a sharded pool (equal to the blocks otherwise).
         - `verification_failures`: records that failed a check, this connector's own (key,
-          layout, token ids, shapes) plus the store's (checksum, torn files).
+          layout, token ids, part shapes) plus the store's (checksum, torn files);
+          `discarded`: records failing this connector's checks that the store then removed
+          (the store's `undiscarded` counts those it could not).
         - `io_errors`: failed store operations, the store's count plus the `OSError`s the
           store raised to this connector; each was a miss or a dropped write unless `strict`.
         - `async_failures`: `store_async` writes whose future holds an error.
@@ -788,11 +852,72 @@ class KVConnector:
         Returns:
             The counters above (ints) and `"store"`, the store's `stats()` dict.
         """
-        store = self.backend.stats()
+        store = self._call("stats", lambda _: self.backend.stats(), None, {}, check=_stats_dict)
         with self._lock:
             counters = dict(self._counters)
             pending = len(self._pending)
-        counters["verification_failures"] += store.get("verification_failures", 0)
-        counters["evictions"] = store.get("evictions", 0)
-        counters["io_errors"] += store.get("io_errors", 0)
+        counters["verification_failures"] += _count_of(store, "verification_failures")
+        counters["evictions"] = _count_of(store, "evictions")
+        counters["io_errors"] += _count_of(store, "io_errors")
         return {**counters, "pending_blocks": pending, "store": store}
+
+
+def _valid(record: BlockRecord, key: str, block_tokens: bytes, fingerprint: str, want) -> bool:
+    """Whether `record` is the block that `key` names: that key, the layout `fingerprint`, the
+    digest of `block_tokens`, and exactly the parts of `want` (part key -> (shape, dtype)),
+    each a numpy array of that shape and dtype. Whatever the store handed back, a record that
+    is anything else (or that breaks these checks by raising) is not that block."""
+    try:
+        if record.key != key or record.layout != fingerprint:
+            return False
+        if record.tokens != _hashing.block_digest(block_tokens):
+            return False
+        parts = record.parts
+        if not isinstance(parts, Mapping) or parts.keys() != want.keys():
+            return False
+        for name, (shape, dtype) in want.items():
+            arr = parts[name]
+            if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != dtype:
+                return False
+        return True
+    except Exception:
+        return False
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def _is_record_or_none(value) -> bool:
+    return value is None or isinstance(value, BlockRecord)
+
+
+def _answers(answer, n: int, ok, what: str) -> list:
+    """`answer` as a list when it is a list or tuple of `n` entries that each pass `ok`; else
+    `StoreReplyError` saying what came instead."""
+    if not isinstance(answer, (list, tuple)):
+        raise StoreReplyError(f"expected a list of {n} {what}, got {type(answer).__name__}")
+    if len(answer) != n:
+        raise StoreReplyError(f"expected a list of {n} {what}, got {len(answer)} entries")
+    for i, value in enumerate(answer):
+        if not ok(value):
+            raise StoreReplyError(f"expected {what}, got {type(value).__name__} at [{i}]")
+    return list(answer)
+
+
+def _checked_bool(answer) -> bool:
+    if not _is_bool(answer):
+        raise StoreReplyError(f"expected a bool, got {type(answer).__name__}")
+    return bool(answer)
+
+
+def _stats_dict(answer) -> dict:
+    if not isinstance(answer, Mapping):
+        raise StoreReplyError(f"expected a dict of counters, got {type(answer).__name__}")
+    return dict(answer)
+
+
+def _count_of(stats: dict, name: str) -> int:
+    """A store counter as an int; one that is not an int (a store's bug) counts as 0."""
+    value = stats.get(name, 0)
+    return int(value) if is_int(value) else 0

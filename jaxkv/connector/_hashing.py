@@ -16,6 +16,8 @@ import hashlib
 
 import numpy as np
 
+from jaxkv._checks import text_arg
+
 _DOMAIN = b"jaxkv-block-v1"
 
 
@@ -53,10 +55,11 @@ def salt_bytes(salt) -> bytes:
     bytes and `bytes(False)` is empty, so accepting ints (or anything `bytes()` takes) would let
     unrelated values share one tenant's keys."""
     if isinstance(salt, str):
-        return salt.encode()
+        return text_arg("salt", salt).encode()
     if isinstance(salt, bytes):
         return bytes(salt)
-    # The type alone: the repr of a huge int is slow or refused outright.
+    # The type alone: the repr of a huge int is slow or refused outright. A str that UTF-8
+    # cannot encode (a lone surrogate) is a ValueError naming the salt.
     raise TypeError(f"salt: expected a str, bytes or None, got {type(salt).__name__}")
 
 
