@@ -93,15 +93,12 @@ def test_store_async_returns_the_written_count_and_blocks_load_bit_exact():
 
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["cpu", "pinned"])
-def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(monkeypatch, pinned):
+def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(pinned):
     # pinned: the accelerator path, run on CPU (the snapshot is a segment in pinned memory).
-    from jaxkv.connector import _staging
-
-    monkeypatch.setattr(_staging, "PINNED_ON_CPU", pinned)
     pool = _pool()
     want = raw_rows(pool, SLOTS)
     store = GatedStore(1 << 22)  # nothing reaches the store until the pool has been overwritten
-    conn = KVConnector(pool, store)
+    conn = KVConnector(pool, store, transfer="pinned" if pinned else None)
     pointer = pool.k_buffer[0].unsafe_buffer_pointer()
     future = conn.store_async(pool, TOKENS, SLOTS)
     step = jax.jit(lambda p, loc, k: p.set_kv(0, loc, k, k), donate_argnums=0)
@@ -194,10 +191,7 @@ def test_flush_raises_a_pending_write_error():
     "fault in every page); accelerators snapshot into pinned segments, tested on the pinned path",
 )
 @pytest.mark.parametrize("use_async", [False, True])
-def test_large_snapshots_stage_per_layer_and_round_trip_bit_exact(monkeypatch, use_async):
-    from jaxkv.connector import _transfers
-
-    monkeypatch.setattr(_transfers, "_FRESH_MMAP_BYTES", 0)  # take the >32 MiB path at any size
+def test_large_snapshots_stage_per_layer_and_round_trip_bit_exact(use_async):
     pool = jaxkv.NSAPool.create(
         size=256,
         page_size=16,
@@ -213,11 +207,13 @@ def test_large_snapshots_stage_per_layer_and_round_trip_bit_exact(monkeypatch, u
     want_kv = [np.asarray(b)[SLOTS] for b in pool.kv_buffer]
     want_index = [np.asarray(pool.get_index_k(layer, SLOTS)) for layer in range(3)]
     conn = KVConnector(pool, HostStore(1 << 24))
+    assert conn.transfer_path.name == "gather"  # NSA's index pages are not token-major
+    conn.transfer_path.stack_above_bytes = 0  # take the per-layer path at any size
     if use_async:
         assert conn.store_async(pool, TOKENS, SLOTS).result(timeout=30) == 4
     else:
         assert conn.store(pool, TOKENS, SLOTS) == 4
-    assert conn._staging._idle_bytes > 0  # the staging went back for reuse
+    assert conn.transfer_path.staging.idle_bytes > 0  # the staging went back for reuse
     pool, n = conn.load(pool, TOKENS, SLOTS + 100)
     assert n == 64
     for layer in range(3):

@@ -553,7 +553,7 @@ def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, tmp_p
     tokens = np.arange(64)
     assert conn.store(pool, tokens, slots) == 4
     # Staging went back for reuse (disk); a HostStore's lent memory needed none.
-    assert (conn._staging._idle_bytes > 0) == (tier == "disk")
+    assert (conn.transfer_path.staging.idle_bytes > 0) == (tier == "disk")
     pointer = pool.k_buffer[0].unsafe_buffer_pointer()
     pool = jax.jit(lambda p: p.set_kv(0, slots[:4], k[:4], v[:4]), donate_argnums=0)(pool)
     assert pool.k_buffer[0].unsafe_buffer_pointer() == pointer
@@ -570,14 +570,11 @@ def test_a_load_never_makes_a_jitted_step_compile_again(monkeypatch, pinned):
     committed from `create` on, so a load (whose staging is committed) leaves every jitted step
     holding the pool with the one program it had (a recompile would stall a later request).
     The pinned path is the accelerator's, run on CPU."""
-    from jaxkv.connector import _staging
-
-    monkeypatch.setattr(_staging, "PINNED_ON_CPU", pinned)
     pool = _make_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
     assert all(b.committed for b in pool.k_buffer + pool.v_buffer)
     ones = jnp.ones((32, 2, 4), jnp.bfloat16)
     step = jax.jit(lambda p, loc: p.set_kv(0, loc, ones, ones[..., :3]), donate_argnums=0)
-    conn = KVConnector(pool, HostStore(1 << 20))
+    conn = KVConnector(pool, HostStore(1 << 20), transfer="pinned" if pinned else None)
     tokens, slots = np.arange(32), np.arange(1, 33)
     pool = step(pool, jnp.asarray(slots))
     assert conn.store(pool, tokens, slots) == 2
@@ -877,21 +874,27 @@ def pinned(monkeypatch):
     """Runs the accelerator transfer path on CPU: blocks leave the device as segments in
     pinned host memory, and loads send them back (or stage them in pinned memory).
 
-    Yields the calls made to `segment_staging` (segments sent back whole)."""
-    from jaxkv.connector import _connector, _staging
+    Yields the calls made to `segment_staging` (segments sent back whole); connectors made
+    while it is active take the pinned path."""
+    from jaxkv.connector import _transfers
 
     kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
     if "pinned_host" not in kinds:
         pytest.skip("this jax has no pinned_host memory on CPU devices")
-    monkeypatch.setattr(_staging, "PINNED_ON_CPU", True)
     calls = []
-    original = _connector.segment_staging
+    original = _transfers.PinnedPath.segment_staging
 
-    def spy(segment, keys, index, like):
+    def spy(self, segment, keys, index, device):
         calls.append(np.asarray(index).copy())
-        return original(segment, keys, index, like)
+        return original(self, segment, keys, index, device)
 
-    monkeypatch.setattr(_connector, "segment_staging", spy)
+    monkeypatch.setattr(_transfers.PinnedPath, "segment_staging", spy)
+    made = KVConnector.__init__
+
+    def pinned_init(self, *args, **kwargs):
+        made(self, *args, **{"transfer": "pinned", **kwargs})
+
+    monkeypatch.setattr(KVConnector, "__init__", pinned_init)
     return calls
 
 
@@ -940,8 +943,7 @@ def test_pinned_load_of_a_few_blocks_stages_them_in_pinned_memory(pinned):
     before = _raw(dst)
     dst, n = conn.load(dst, tokens[:16], dst_slots[:16])  # 1 block of 16: below the 1/8 share
     assert n == 16 and pinned == []
-    staged = [k for k in conn._staging._idle if k[0] == "pinned"]
-    assert staged, "the block went through pinned staging"
+    assert "pinned" in conn.transfer_path.staging.idle_kinds(), "went through pinned staging"
     _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots[:16], dst_slots[:16], 1))
     before = _raw(dst)
     dst, n = conn.load(dst, tokens[:64], dst_slots[:64])  # 4 of 16 blocks: the segment, whole

@@ -69,8 +69,8 @@ def _record(key: str, value: float, n: int = 4) -> BlockRecord:
 
 
 def _fill_lent(store: HostStore, count: int, value: float):
-    """`count` records of arena memory `store` lends (`_reserve`), filled with `value`."""
-    lent = store._reserve({"k": ((1, 4), np.float32)}, count)
+    """`count` records of arena memory `store` lends (`lend`), filled with `value`."""
+    lent = store.lend({"k": ((1, 4), np.float32)}, count)
     assert lent is not None
     arrays, reservation = lent
     records = []
@@ -107,7 +107,7 @@ def test_host_store_takes_back_lent_memory_no_put_kept():
     record_bytes = 16
     store = HostStore(4 * record_bytes, preallocate_bytes=4 * record_bytes)
     records, reservation = _fill_lent(store, 4, 1.0)
-    assert store._reserve({"k": ((1, 4), np.float32)}, 1) is None  # all of it is lent out
+    assert store.lend({"k": ((1, 4), np.float32)}, 1) is None  # all of it is lent out
     del records  # abandoned: nothing was put (memory a caller still holds is never reused)
     reservation.release()
     assert len(store) == 0 and store.memory_bytes == 4 * record_bytes

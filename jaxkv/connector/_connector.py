@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
@@ -29,23 +28,10 @@ from jax.typing import ArrayLike
 from jaxkv._checks import bool_arg, int_arg, is_int, text_arg
 from jaxkv.connector import _hashing, _shards
 from jaxkv.connector._pool_views import PoolView, view_of
-from jaxkv.connector._records import BlockRecord, Segment, is_block_of
-from jaxkv.connector._staging import StagingCache, pinned_device
-from jaxkv.connector._transfers import (
-    as_one_array,
-    gather_blocks,
-    gather_segment,
-    per_block,
-    segment_staging,
-    stage_blocks,
-)
+from jaxkv.connector._records import BlockRecord
+from jaxkv.connector._transfers import Snapshot, TransferPath, choose_path, gather_blocks
 from jaxkv.connector.stores import BlockStore, FailureLog, strict_scope
 from jaxkv.errors import StoreReplyError
-
-# A load sends a whole segment back to the device when it needs at least this share of its
-# bytes; for fewer blocks, copying them on the host into pinned staging moves less. On an H200,
-# the link ran at 48 GB/s against 7 GB/s for a host copy: sending whole wins above 1/8.
-_WHOLE_SEGMENT_SHARE = 1 / 8
 
 # Chains kept per connector, one per root (layout fingerprint and salt): a sharded pool has a
 # root per shard group, and a few tenants' salts may interleave.
@@ -98,6 +84,12 @@ class KVConnector:
             several devices is moved shard by shard, each under its own coordinates (see
             "Sharded pools" below).
         max_pending: `store_async` calls whose writes may be in flight at once (>= 1).
+        transfer: how blocks cross between the pool and host memory: None (default) picks
+            from the pool's placement ("pinned" on a device with pinned host memory, "cpu"
+            for a jaxkv pool on one CPU device, else "gather"); "gather" forces the device
+            gather, "pinned" the pinned host path (also on CPU devices, which have that
+            memory kind: the accelerators' path, run where it can be tested). See
+            `transfer_path`.
         strict: raise I/O errors of the store (`OSError`, after counting them) from `lookup`,
             `store`, `load`, and from `flush` and the futures of `store_async`. By default a
             failed read is a miss (the loaded prefix ends there) and a failed write is a
@@ -117,8 +109,9 @@ class KVConnector:
     Raises:
         UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes, or
             buffers jaxkv cannot move.
-        ValueError: a `block_size` that is not a positive multiple of the page size, or a
-            `max_pending` that is not a positive int.
+        ValueError: a `block_size` that is not a positive multiple of the page size, a
+            `max_pending` that is not a positive int, or a `transfer` the pool's placement
+            cannot take.
         TypeError: a `store` that is not a `BlockStore`, a `strict` that is not a bool, or a
             `namespace` or `shard` that is not a str.
         ValueError: a `namespace` or `shard` that UTF-8 cannot encode (a lone surrogate).
@@ -144,6 +137,7 @@ class KVConnector:
         namespace: str = "default",
         shard: str = "full",
         max_pending: int = 8,
+        transfer: str | None = None,
         strict: bool = False,
     ):
         if not isinstance(store, BlockStore):
@@ -168,7 +162,10 @@ class KVConnector:
         self.layout = dataclasses.replace(view.layout, shard=text_arg("shard", shard))
         self.fingerprint = self.layout.fingerprint(self.block_size)
         self._shards = _shards.plan(view, self.layout, self.block_size)
-        self._staging = StagingCache()
+        if self._shards is not None:  # every shard is placed alike: the first one decides
+            view = _shards.shard_views(self._shards, view)[0][1][0]
+        #: The `TransferPath` every store and load of this connector goes through.
+        self.transfer_path: TransferPath = choose_path(view, transfer)
         self._chains: dict[bytes, tuple[bytes, list[bytes]]] = {}  # see `_chain`
         self._lock = threading.Lock()
         self._pending: dict[str, Future] = {}
@@ -446,25 +443,21 @@ class KVConnector:
             return [], [], []
         bs = self.block_size
         rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in missing])
-        # Accelerators: the transfer's pinned output becomes the records' memory (a segment
-        # nobody reuses), so a store can keep it. Elsewhere the records are views of memory a
-        # HostStore lent for them, or of reused staging, valid until `staging` is given back.
-        segment = gather_segment(view, rows, bs)
-        if segment is not None:
-            parts, staging = per_block(segment.host, len(missing)), []
-        else:
-            parts, staging = stage_blocks(view, rows, bs, self._staging, self.backend)
+        # A segment (the pinned path) is memory nobody reuses, so a store can keep it; other
+        # records are views of memory a store lent for them, or of reused staging, valid
+        # until the snapshot is given back.
+        snap = self.transfer_path.snapshot(view, rows, bs, self.backend)
         records = [
             BlockRecord(
                 key=digests[i].hex(),
                 layout=fingerprint,
                 tokens=_hashing.block_digest(data[4 * i * bs : 4 * (i + 1) * bs]),
-                parts=parts[j],
-                source=None if segment is None else (segment, j),
+                parts=snap.parts[j],
+                source=None if snap.segment is None else (snap.segment, j),
             )
             for j, i in enumerate(missing)
         ]
-        return records, missing, staging
+        return records, missing, [snap]
 
     def _write(self, records: list[BlockRecord], blocks: list[int]) -> int:
         """Puts `records` (record j holds a shard of block `blocks[j]`, or the whole block);
@@ -531,14 +524,11 @@ class KVConnector:
         finally:
             self._give_back(staging)
 
-    def _give_back(self, staging) -> None:
-        """Returns staging buffers to the cache, and releases memory a store lent for the
-        records (what it kept is its own now)."""
-        for buf in staging:
-            if isinstance(buf, np.ndarray):
-                self._staging.give(buf)
-            else:
-                buf.release()
+    def _give_back(self, snapshots: list[Snapshot]) -> None:
+        """Hands the snapshots' staging and store loans back, once their records are written
+        (what a store kept of them is its own now)."""
+        for snap in snapshots:
+            self.transfer_path.give_back(snap)
 
     def store_async(
         self,
@@ -586,9 +576,7 @@ class KVConnector:
                 self._check_open()
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-store")
-            future = self._executor.submit(
-                self._background_write, records, blocks, keys, staging
-            )
+            future = self._executor.submit(self._background_write, records, blocks, keys, staging)
             for key in keys:
                 self._pending[key] = future
         return future
@@ -701,17 +689,7 @@ class KVConnector:
             return pool, 0
         bs = self.block_size
         n = len(records) * bs
-        for g, (segment, group) in enumerate(self._load_groups(view, records)):
-            if g:
-                view = self._view(pool)  # the pool the previous write returned
-            rows = np.concatenate([slots[i * bs : (i + 1) * bs] for i in group])
-            if segment is not None:
-                keys = [p.key for p in view.layout.parts]
-                like = view.arrays(view.layout.parts[:1])[0][0]
-                index = np.array([records[i].source[1] for i in group])
-                pool = view.write(rows, segment_staging(segment, keys, index, like), bs)
-            else:
-                pool = self._write_staged(view, [records[i] for i in group], rows)
+        pool = self.transfer_path.write(view, records, slots[:n], bs)
         self._count("blocks_loaded", len(records))
         self._count("records_loaded", len(records))
         self._count("bytes_loaded", len(records) * self.layout.block_nbytes(bs))  # all checked
@@ -771,61 +749,13 @@ class KVConnector:
         written = {}
         for (group, replicas), (records, _) in zip(groups, fetched):
             for replica, device in zip(replicas, group.devices):
-                written[device] = self._write_staged(replica, records[:n_blocks], rows)
+                written[device] = self.transfer_path.write_staged(
+                    replica, records[:n_blocks], rows, bs
+                )
             self._count("bytes_loaded", n_blocks * group.layout.block_nbytes(bs))
             self._count("records_loaded", n_blocks)
         self._count("blocks_loaded", n_blocks)
         return _shards.rebuild(view, placed, written), n_blocks * bs
-
-    def _load_groups(
-        self, view: PoolView, records: list[BlockRecord]
-    ) -> list[tuple[Segment | None, list[int]]]:
-        """Splits the records of a load into writes: one per segment worth sending to the
-        device whole (accelerators), then one of the rest, staged on the host."""
-        parts = view.layout.parts
-        device = None
-        if all(view.host_layers(p) is None for p in parts):
-            device = pinned_device(view.arrays(parts[:1])[0][0])
-        if device is None:
-            return [(None, list(range(len(records))))]
-        by_segment: dict[int, list[int]] = {}
-        for i, record in enumerate(records):
-            if is_block_of(record):
-                by_segment.setdefault(id(record.source[0]), []).append(i)
-        groups: list[tuple[Segment | None, list[int]]] = []
-        whole: set[int] = set()
-        for group in by_segment.values():
-            segment = records[group[0]].source[0]
-            if len(group) >= _WHOLE_SEGMENT_SHARE * segment.blocks:  # blocks of one size
-                groups.append((segment, group))
-                whole.update(group)
-        rest = [i for i in range(len(records)) if i not in whole]
-        return groups + ([(None, rest)] if rest else [])
-
-    def _write_staged(self, view: PoolView, records: list[BlockRecord], rows: np.ndarray):
-        """Writes `records` at `rows` through host staging: the records are stacked per layer
-        into staging memory that reaches the device without a further host copy (XLA-owned on
-        CPU, pinned on accelerators)."""
-        bs = self.block_size
-        with contextlib.ExitStack() as stack:
-            staging = []
-            for p in view.layout.parts:
-                like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
-                slot = stack.enter_context(
-                    self._staging.borrow_layers(
-                        self.layout.layer_num, (len(records), bs, *p.row_shape), p.bits_dtype, like
-                    )
-                )
-                # Blocks a HostStore holds side by side (stored together) are one strided
-                # array: one copy per layer instead of a stack of every block.
-                blocks = as_one_array([r.parts[p.key] for r in records])
-                for li, host in enumerate(slot.host):
-                    if isinstance(blocks, np.ndarray):
-                        host[...] = blocks[:, li]
-                    else:
-                        np.stack([r.parts[p.key][li] for r in records], out=host)
-                staging.append(slot)
-            return view.write(rows, staging, bs)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this connector, each with one meaning (blocks are full blocks):

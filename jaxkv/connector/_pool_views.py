@@ -18,7 +18,7 @@ from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _foreign
 from jaxkv.connector._block_kernels import block_starts, scatter_donated
 from jaxkv.connector._layout import Layout, Part, describe
-from jaxkv.connector._staging import StagingSlot, on_device, to_host
+from jaxkv.connector._staging import Staging
 from jaxkv.errors import ConsumedPoolError
 
 
@@ -51,8 +51,12 @@ class PoolView:
         parts = self.layout.parts if parts is None else parts
         return tuple(tuple(_device_array(b) for b in getattr(self.pool, p.attr)) for p in parts)
 
-    def write(self, slots: np.ndarray, staging: Sequence[StagingSlot], block_size: int):
-        """Writes `staging` (one `StagingSlot` per part) at `slots`; returns the pool.
+    def rebind(self, pool) -> PoolView:
+        """A view of `pool`, of this view's layout (the pool a write returned)."""
+        return type(self)(pool, self.layout)
+
+    def write(self, slots: np.ndarray, staging: Sequence[Staging], block_size: int):
+        """Writes `staging` (one `Staging` per part) at `slots`; returns the pool.
 
         `staging` holds one layer-major host array per part, `(layer_num, n_blocks, block_size,
         *row)`: each layer's slice is contiguous, so it reaches the device as its own zero-copy
@@ -82,17 +86,17 @@ class _JaxkvView(PoolView):
 
 
 def write_arrays(arrays, parts: Sequence[Part], slots, staging, block_size: int):
-    """Scatters `staging` (one `StagingSlot` per part) at `slots` into `arrays` (per part,
-    per layer, donated) in one jitted call; returns the new arrays."""
+    """Scatters `staging` (one `Staging` per part) at `slots` into `arrays` (per part, per
+    layer, donated) in one jitted call; returns the new arrays."""
     codecs = tuple(p.codec for p in parts)
     starts = block_starts(slots, block_size)
-    staged = tuple(on_device(st, arrays[0][0]) for st in staging)
+    staged = tuple(st.on_device(arrays[0][0]) for st in staging)
     new = scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
     warn_if_copied([b for bufs in arrays for b in bufs])
-    if any(st.host or st.pinned is not None for st in staging):
-        jax.block_until_ready(new)  # the host staging memory is reused once this returns
-    # Device-side staging (a segment sent back whole) is nobody's to reuse: the caller's next
-    # step is queued behind the scatter instead of waiting for it on the host.
+    if any(st.reused for st in staging):
+        jax.block_until_ready(new)  # the staging memory is reused once this returns
+    # Staging nobody reuses (a segment sent back whole): the caller's next step is queued
+    # behind the scatter instead of waiting for it on the host.
     return new
 
 
@@ -160,7 +164,7 @@ class _ForeignView(PoolView):
         try:
             for part, st, host in zip(parts, staging, direct):
                 for li, buf in enumerate(host or ()):
-                    rows = st.host[li] if st.host else to_host(st.device[li])
+                    rows = st.layer_rows(li)
                     undo.append((buf, part.codec, _foreign.save_rows(buf, part.codec, slots)))
                     _foreign.write_rows(buf, part.codec, slots, rows.reshape(-1, *rows.shape[2:]))
             jax_parts = [i for i, host in enumerate(direct) if host is None]

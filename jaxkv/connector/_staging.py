@@ -5,9 +5,16 @@ into fresh buffers ran at 1.8 GB/s here, against 7.4 GB/s for memcpy into touche
 staging buffers are cached and reused.
 
 On accelerators, blocks cross the host link through pinned host memory (`memory_kind=
-"pinned_host"`): a transfer from or to pinned memory runs at link speed (52 and 48 GB/s for
-512 MiB on an H200), one from pageable numpy memory at 3.4-7.8 GB/s. CPU devices have the
-same memory kinds, so the accelerator path also runs on CPU when `PINNED_ON_CPU` is set.
+"pinned_host"`): a transfer from or to pinned memory runs at the link's speed, one from
+pageable numpy memory several times slower (docs/performance.md has the H200's figures). CPU
+devices have the same memory kinds, so the pinned path also runs on CPU when a connector is
+asked for it (`transfer="pinned"`).
+
+A load stages each part as one `Staging` of its kind: host arrays reaching the device through a
+transfer (`HostStaging`), host views of XLA-owned CPU arrays (`XlaStaging`), host views of
+pinned host arrays (`PinnedStaging`), or arrays already on the device (`DeviceStaging`). Each
+says how its layers reach the device and whether its memory is reused (then the write waits
+for the scatter to have read it).
 """
 
 from __future__ import annotations
@@ -15,15 +22,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
-
-# Runs the accelerator path (pinned host staging, segments) on CPU devices too; for tests.
-PINNED_ON_CPU = False
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = 64) -> np.ndarray:
@@ -56,14 +59,14 @@ def _xla_owned_staging(
     return np.frombuffer(raw, dtype=arr.dtype).reshape(shape), arr
 
 
-def pinned_device(x) -> jax.Device | None:
-    """The device of `x` when its blocks should cross the host link through pinned host
-    memory: `x` is a jax array on one accelerator device (any device when `PINNED_ON_CPU`)
-    that has a `pinned_host` memory. None otherwise."""
+def pinned_device(x, *, on_cpu: bool = False) -> jax.Device | None:
+    """The device of `x` when its blocks can cross the host link through pinned host memory:
+    `x` is a jax array on one accelerator device (or CPU device, with `on_cpu`) that has a
+    `pinned_host` memory. None otherwise."""
     if not isinstance(x, jax.Array) or len(x.sharding.device_set) != 1:
         return None
     dev = next(iter(x.sharding.device_set))
-    if dev.platform == "cpu" and not PINNED_ON_CPU:
+    if dev.platform == "cpu" and not on_cpu:
         return None
     try:
         kinds = {m.kind for m in dev.addressable_memories()}
@@ -97,15 +100,81 @@ def _pinned_staging(shape: tuple[int, ...], dtype, dev: jax.Device) -> tuple[np.
     return host_view(arr, writable=True), arr
 
 
-class StagingSlot(NamedTuple):
-    """Staging of one part for a load, per layer `(n_blocks, block_size, *row)`: host arrays,
-    and the jax arrays that reach the device without a host copy: on a single CPU device the
-    XLA-owned arrays sharing the host arrays' memory (`device`), on an accelerator pinned host
-    arrays sharing it (`pinned`). Device-side staging has `device` and no host arrays."""
+class Staging:
+    """One part's staging for a load: per layer `(n_blocks, block_size, *row)`.
 
-    host: tuple[np.ndarray, ...]
-    device: tuple[jax.Array, ...] | None
-    pinned: tuple[jax.Array, ...] | None = None
+    Attributes:
+        host: per layer, writable host arrays the blocks are copied into (empty for
+            `DeviceStaging`).
+        reused: whether the memory goes back to a cache after the write, so the write must
+            wait for the scatter to have read it.
+    """
+
+    host: tuple[np.ndarray, ...] = ()
+    reused = True
+
+    def on_device(self, like: jax.Array) -> tuple[jax.Array, ...]:
+        """The layers as jax arrays on `like`'s devices, for the scatter."""
+        raise NotImplementedError
+
+    def layer_rows(self, layer: int) -> np.ndarray:
+        """Layer `layer` as a host array (for writes jaxkv makes outside XLA)."""
+        return self.host[layer]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self.host)
+
+
+class HostStaging(Staging):
+    """Plain host arrays: transferred to the device for the write (replicated over a mesh)."""
+
+    def __init__(self, host: tuple[np.ndarray, ...]):
+        self.host = host
+
+    def on_device(self, like):
+        return tuple(to_device(h, like) for h in self.host)
+
+
+class XlaStaging(Staging):
+    """Writable host views of XLA-owned arrays on one CPU device: the write reads the arrays
+    themselves, no transfer."""
+
+    def __init__(self, host: tuple[np.ndarray, ...], device: tuple[jax.Array, ...]):
+        self.host, self._device = host, device
+
+    def on_device(self, like):
+        return self._device
+
+
+class PinnedStaging(Staging):
+    """Writable host views of pinned host arrays: one transfer per layer at the link's speed
+    (the target names its memory kind: a plain device target raises "Memory kind
+    mismatch")."""
+
+    def __init__(self, host: tuple[np.ndarray, ...], pinned: tuple[jax.Array, ...]):
+        self.host, self._pinned = host, pinned
+
+    def on_device(self, like):
+        dev = next(iter(like.sharding.device_set))
+        target = SingleDeviceSharding(dev, memory_kind="device")
+        return tuple(jax.device_put(list(self._pinned), target))
+
+
+class DeviceStaging(Staging):
+    """Arrays already on the device (a segment sent back whole): nobody reuses them, so the
+    write does not wait for the scatter."""
+
+    reused = False
+
+    def __init__(self, device: tuple[jax.Array, ...]):
+        self._device = device
+
+    def on_device(self, like):
+        return self._device
+
+    def layer_rows(self, layer):
+        return to_host(self._device[layer])
 
 
 class StagingCache:
@@ -146,34 +215,37 @@ class StagingCache:
         self._give(("host", buf.shape, buf.dtype.str), buf, buf.nbytes)
 
     @contextlib.contextmanager
-    def borrow_layers(self, layers: int, shape: tuple[int, ...], dtype, like: jax.Array | None):
-        """Per-layer staging for a load into buffers like `like` (None: host buffers only)."""
+    def borrow(self, kind: str, layers: int, shape: tuple[int, ...], dtype, device):
+        """Per-layer load staging of `kind` ("host", "xla" or "pinned", see the `Staging`
+        classes) for buffers on `device` (None for "host"), handed back when the block ends."""
         dtype = np.dtype(dtype)
-        pinned = pinned_device(like)
-        one = like is not None and len(like.sharding.device_set) == 1
-        dev = next(iter(like.sharding.device_set)) if one else None
-        xla = pinned is None and dev is not None and dev.platform == "cpu"
         # Keyed by device: each shard of a mesh scatters staging on its own device.
-        if pinned is not None:
-            kind = ("pinned", pinned.id)
-        else:
-            kind = ("xla", dev.id) if xla else ("host",)
-        key = (*kind, layers, tuple(shape), dtype.str)
+        key = (kind, None if device is None else device.id, layers, tuple(shape), dtype.str)
 
-        def make():
-            if pinned is not None:
-                pairs = [_pinned_staging(shape, dtype, pinned) for _ in range(layers)]
-                return StagingSlot(tuple(h for h, _ in pairs), None, tuple(p for _, p in pairs))
-            if not xla:
-                return StagingSlot(tuple(aligned_empty(shape, dtype) for _ in range(layers)), None)
-            pairs = [_xla_owned_staging(shape, dtype, dev) for _ in range(layers)]
-            return StagingSlot(tuple(h for h, _ in pairs), tuple(d for _, d in pairs))
+        def make() -> Staging:
+            if kind == "host":
+                return HostStaging(tuple(aligned_empty(shape, dtype) for _ in range(layers)))
+            made = _pinned_staging if kind == "pinned" else _xla_owned_staging
+            pairs = [made(shape, dtype, device) for _ in range(layers)]
+            host = tuple(h for h, _ in pairs)
+            arrays = tuple(a for _, a in pairs)
+            return PinnedStaging(host, arrays) if kind == "pinned" else XlaStaging(host, arrays)
 
         slot = self._take(key, make)
         try:
             yield slot
         finally:
-            self._give(key, slot, sum(h.nbytes for h in slot.host))
+            self._give(key, slot, slot.nbytes)
+
+    def idle_kinds(self) -> set[str]:
+        """The kinds of staging waiting for reuse ("host" buffers of stores included)."""
+        with self._lock:
+            return {key[0] for key, items in self._idle.items() if items}
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle_bytes
 
 
 def to_host(x: jax.Array) -> np.ndarray:
@@ -187,24 +259,10 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.from_dlpack(x)
 
 
-def on_device(slot: StagingSlot, like: jax.Array) -> tuple[jax.Array, ...]:
-    """A slot's layers on `like`'s devices: its device arrays; else its pinned arrays moved to
-    device memory (a plain device target would raise "Memory kind mismatch"); else transfers
-    of its host buffers (meshes)."""
-    if slot.device is not None:
-        return slot.device
-    if slot.pinned is not None:
-        dev = next(iter(like.sharding.device_set))
-        return tuple(
-            jax.device_put(list(slot.pinned), SingleDeviceSharding(dev, memory_kind="device"))
-        )
-    return tuple(to_device(h, like) for h in slot.host)
-
-
 def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
     """A copy of `host` on `like`'s device, replicated over the mesh when `like` is sharded
-    (the scatter then writes each shard). Single-device staging goes through
-    `StagingCache.borrow_layers` instead, without this copy."""
+    (the scatter then writes each shard). Single-device staging that XLA or the link reads
+    directly (`XlaStaging`, `PinnedStaging`) avoids this copy."""
     devices = like.sharding.device_set
     if len(devices) > 1:
         sharding = like.sharding

@@ -1,14 +1,30 @@
-"""Moving whole blocks between a pool and host memory, and the staging policy behind it.
+"""Transfer paths: how blocks cross between a pool's buffers and host memory.
 
-Exports gather on the device in one jitted call over every layer and part; only the
-block-major staging array crosses to the host, so the live pool buffers are never referenced by
-an export (a live export would turn the next donated update into a full copy). Which staging a
-transfer uses (zero-copy DLPack export, per-layer host stacking for large CPU snapshots, pinned
-host segments on accelerators) is decided here.
+A connector picks one `TransferPath` when it is made (`choose_path`), from where the pool's
+buffers live and what the caller asked for, and every store and load goes through it:
+
+- `CpuCopyPath`: a jaxkv pool on one CPU device. Snapshots copy the blocks with numpy from
+  zero-copy views of the layer buffers, into memory the store lends for them
+  (`BlockStore.lend`) or into reused staging; loads fill XLA-owned staging that the scatter
+  reads in place.
+- `GatherPath`: any other jax buffers (a mesh shard, a device without pinned host memory). One
+  jitted gather stacks the blocks on the device and hands them to the host through DLPack; on
+  CPU a large snapshot gathers layer by layer instead (see `stack_above_bytes`).
+- `PinnedPath`: buffers on one device with pinned host memory (GPU, TPU; CPU when asked). A
+  snapshot is a `Segment`, the device-to-pinned transfer's own output, which a store keeps
+  without a host copy; a load sends a segment back whole when it needs enough of it (see
+  `whole_segment_share`), else stages blocks in pinned host memory.
+- `ForeignHostPath`: a foreign pool with buffers jaxkv moves outside XLA (numpy arrays, torch
+  tensors on an accelerator): read with numpy or torch and written in place.
+
+Each path owns its staging cache and its thresholds. Exports (`export_blocks`) always gather on
+the device: they hand the caller block-major arrays, whatever the path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -22,21 +38,294 @@ from jaxkv.connector._block_kernels import (
     pick_layers_jit,
 )
 from jaxkv.connector._pool_views import PoolView
-from jaxkv.connector._records import Segment, address
+from jaxkv.connector._records import BlockRecord, Segment, address, is_block_of
 from jaxkv.connector._staging import (
+    DeviceStaging,
     StagingCache,
-    StagingSlot,
     host_view,
     pinned_device,
     to_host,
 )
 
+#: The `transfer` choices a connector accepts; None picks from the pool's placement.
+TRANSFERS = ("cpu", "gather", "pinned")
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """Host copies of blocks, taken for a store.
+
+    Attributes:
+        parts: per block, its parts `(layer_num, block_size, *row)`.
+        segment: when set, `parts[j]` is block j of this segment (see `Segment`).
+        give_back: staging buffers and store loans to hand back once the records are written.
+    """
+
+    parts: list[dict[str, np.ndarray]]
+    segment: Segment | None = None
+    give_back: list = dataclasses.field(default_factory=list)
+
+
+class TransferPath:
+    """One way blocks cross between a pool's buffers and host memory (see the module)."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.staging = StagingCache()
+
+    def snapshot(self, view: PoolView, slots: np.ndarray, block_size: int, store) -> Snapshot:
+        """The blocks at `slots` (whole blocks, in order) copied to host memory; complete
+        when this returns, so the pool may be donated at once."""
+        n_blocks = len(slots) // block_size
+        return Snapshot(per_block(gather_blocks(view, slots, block_size), n_blocks))
+
+    def write(self, view: PoolView, records: Sequence[BlockRecord], slots, block_size: int):
+        """Writes `records` at `slots` (block_size rows each); returns the pool (a jaxkv pool
+        anew, a foreign pool written in place) or, for a shard, its new arrays."""
+        return self.write_staged(view, records, slots, block_size)
+
+    def write_staged(self, view: PoolView, records: Sequence[BlockRecord], slots, block_size):
+        """`write` through host staging: the records stacked per layer into staging memory
+        that reaches the device without a further host copy where the path has one."""
+        with contextlib.ExitStack() as stack:
+            staging = []
+            for p in view.layout.parts:
+                like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
+                kind, device = self._staging_kind(like)
+                shape = (len(records), block_size, *p.row_shape)
+                slot = stack.enter_context(
+                    self.staging.borrow(kind, view.layout.layer_num, shape, p.bits_dtype, device)
+                )
+                # Blocks a HostStore holds side by side (stored together) are one strided
+                # array: one copy per layer instead of a stack of every block.
+                blocks = as_one_array([r.parts[p.key] for r in records])
+                for li, host in enumerate(slot.host):
+                    if isinstance(blocks, np.ndarray):
+                        host[...] = blocks[:, li]
+                    else:
+                        np.stack([r.parts[p.key][li] for r in records], out=host)
+                staging.append(slot)
+            return view.write(slots, staging, block_size)
+
+    def _staging_kind(self, like: jax.Array | None) -> tuple[str, jax.Device | None]:
+        """The load staging for buffers like `like` (None: written outside XLA)."""
+        if like is None or len(like.sharding.device_set) != 1:
+            return "host", None
+        dev = next(iter(like.sharding.device_set))
+        return ("xla", dev) if dev.platform == "cpu" else ("host", None)
+
+    def give_back(self, snapshot: Snapshot) -> None:
+        """Returns a snapshot's staging to the cache and releases a store's loan (what the
+        store kept of it is its own now)."""
+        for item in snapshot.give_back:
+            if isinstance(item, np.ndarray):
+                self.staging.give(item)
+            else:
+                item.release()
+        snapshot.give_back = []
+
+
+class GatherPath(TransferPath):
+    """Jax buffers on any device: gathered on the device, handed over through DLPack.
+
+    Attributes:
+        stack_above_bytes: on CPU, a snapshot whose largest part exceeds this gathers each
+            layer into its own device array and stacks them on the host into reused memory:
+            glibc serves allocations above its mmap threshold (at most 32 MiB on 64-bit) with
+            fresh mappings, so one large XLA output faults in every page on each call.
+    """
+
+    name = "gather"
+    stack_above_bytes = 32 << 20
+
+    def snapshot(self, view, slots, block_size, store):
+        n_blocks = len(slots) // block_size
+        largest = max(
+            n_blocks * view.layout.layer_num * block_size * _row_bytes(p) for p in view.layout.parts
+        )
+        arrays = view.arrays()
+        platform = next(iter(arrays[0][0].sharding.device_set)).platform
+        if largest <= self.stack_above_bytes or platform != "cpu":
+            return super().snapshot(view, slots, block_size, store)
+        codecs = tuple(p.codec for p in view.layout.parts)
+        starts = block_starts(slots, block_size)
+        per_layer = gather_layers_jit(arrays, slots.astype(np.int32), starts, codecs, block_size)
+        jax.block_until_ready(per_layer)
+        out = {}
+        for part, layers in zip(view.layout.parts, per_layer):
+            shape = (n_blocks, len(layers), block_size, *part.row_shape)
+            buf = self.staging.take(shape, part.bits_dtype)
+            np.stack([to_host(x) for x in layers], axis=1, out=buf)
+            out[part.key] = buf
+        return Snapshot(per_block(out, n_blocks), None, list(out.values()))
+
+
+class CpuCopyPath(GatherPath):
+    """A jaxkv pool on one CPU device, every part token-major (see the module); blocks that
+    are not runs of rows are gathered on the device instead."""
+
+    name = "cpu"
+
+    def snapshot(self, view, slots, block_size, store):
+        starts = block_starts(slots, block_size)
+        layers = _cpu_layers(view)
+        if starts is None or layers is None:
+            return super().snapshot(view, slots, block_size, store)
+        n_blocks = len(slots) // block_size
+        jax.block_until_ready(layers)
+        parts = view.layout.parts
+        shapes = {p.key: ((len(layers[0]), block_size, *p.row_shape), p.bits_dtype) for p in parts}
+        lent = store.lend(shapes, n_blocks)
+        if lent is not None:
+            blocks, loan = lent
+            dests = {k: as_one_array([b[k] for b in blocks]) for k in shapes}
+            give_back = [loan]
+        else:
+            dests = {
+                k: self.staging.take((n_blocks, *shape), dtype)
+                for k, (shape, dtype) in shapes.items()
+            }
+            blocks = per_block(dests, n_blocks)
+            give_back = list(dests.values())
+        for part, bufs in zip(parts, layers):
+            _copy_blocks(bufs, starts, block_size, dests[part.key])
+        return Snapshot(blocks, None, give_back)
+
+
+class PinnedPath(TransferPath):
+    """Buffers on one device with pinned host memory (see the module).
+
+    Attributes:
+        whole_segment_share: a load sends a segment back to the device whole when it needs at
+            least this share of the segment's blocks; for fewer, copying them on the host into
+            pinned staging moves less (the link is several times faster than a host copy:
+            docs/performance.md).
+    """
+
+    name = "pinned"
+    whole_segment_share = 1 / 8
+
+    def snapshot(self, view, slots, block_size, store):
+        arrays = view.arrays()
+        codecs = tuple(p.codec for p in view.layout.parts)
+        starts = block_starts(slots, block_size)
+        staged = gather_jit(arrays, slots.astype(np.int32), starts, codecs, block_size)
+        target = jax.sharding.SingleDeviceSharding(_device(arrays), memory_kind="pinned_host")
+        pinned = jax.device_put(list(staged), target)
+        keys = [p.key for p in view.layout.parts]
+        segment = Segment(dict(zip(keys, pinned)), {k: host_view(x) for k, x in zip(keys, pinned)})
+        return Snapshot(per_block(segment.host, len(slots) // block_size), segment)
+
+    def write(self, view, records, slots, block_size):
+        """Segments worth sending whole go back as they are (one write each), the rest
+        through pinned staging (one more write)."""
+        by_segment: dict[int, list[int]] = {}
+        for i, record in enumerate(records):
+            if is_block_of(record):
+                by_segment.setdefault(id(record.source[0]), []).append(i)
+        whole: set[int] = set()
+        pool = None
+        for group in by_segment.values():
+            segment = records[group[0]].source[0]
+            if len(group) < self.whole_segment_share * segment.blocks:  # blocks of one size
+                continue
+            if pool is not None:
+                view = view.rebind(pool)  # the pool the previous write returned
+            index = np.array([records[i].source[1] for i in group])
+            rows = np.concatenate([slots[i * block_size : (i + 1) * block_size] for i in group])
+            keys = [p.key for p in view.layout.parts]
+            staging = self.segment_staging(segment, keys, index, _device(view.arrays()))
+            pool = view.write(rows, staging, block_size)
+            whole.update(group)
+        rest = [i for i in range(len(records)) if i not in whole]
+        if not rest:
+            return pool
+        if pool is not None:
+            view = view.rebind(pool)
+        rows = np.concatenate([slots[i * block_size : (i + 1) * block_size] for i in rest])
+        return self.write_staged(view, [records[i] for i in rest], rows, block_size)
+
+    def segment_staging(
+        self, segment: Segment, keys: Sequence[str], index: np.ndarray, device: jax.Device
+    ) -> list[DeviceStaging]:
+        """Device-side staging (one per part in `keys`) of blocks `index` of `segment`, for
+        buffers on `device`: the segment moves to device memory as it is, and picking the
+        blocks and splitting them per layer runs on the device."""
+        target = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        on_dev = jax.device_put([segment.arrays[k] for k in keys], target)
+        index = np.asarray(index, np.int32)
+        every = np.arange(segment.blocks)
+        whole = index.shape == every.shape and np.array_equal(index, every)
+        layers = pick_layers_jit(tuple(on_dev), None if whole else index)
+        return [DeviceStaging(tuple(per_layer)) for per_layer in layers]
+
+    def _staging_kind(self, like):
+        return "pinned", next(iter(like.sharding.device_set))
+
+
+def _device(arrays) -> jax.Device:
+    """The one device of a view's (single-device) buffers."""
+    return next(iter(arrays[0][0].sharding.device_set))
+
+
+class ForeignHostPath(TransferPath):
+    """A foreign pool with buffers jaxkv moves outside XLA (its other parts, jax arrays, go
+    through the device gather and scatter); host staging only."""
+
+    name = "foreign"
+
+
+def choose_path(view: PoolView, transfer: str | None = None) -> TransferPath:
+    """The path for `view`'s pool (or one shard of it: every shard of a pool is placed alike):
+    the caller's `transfer` (one of `TRANSFERS`) when given and possible, else the fastest the
+    placement allows.
+
+    Raises:
+        ValueError: a `transfer` that is not one of `TRANSFERS`, or that the pool's
+            placement cannot take (say "cpu" for a pool on an accelerator).
+    """
+    if transfer is not None and transfer not in TRANSFERS:
+        raise ValueError(f"transfer: expected None or one of {TRANSFERS}, got {transfer!r}")
+    if any(view.host_layers(p) is not None for p in view.layout.parts):
+        if transfer is not None:
+            raise ValueError(
+                f"transfer: expected None for a pool whose buffers live outside XLA (host "
+                f"arrays, torch tensors), got {transfer!r}"
+            )
+        return ForeignHostPath()
+    arrays = view.arrays()
+    device = pinned_device(arrays[0][0], on_cpu=transfer == "pinned")
+    if device is not None and any(pinned_device(bufs[0], on_cpu=True) != device for bufs in arrays):
+        device = None
+    if transfer == "pinned" or (transfer is None and device is not None):
+        if device is None:
+            raise ValueError(
+                "transfer: 'pinned' needs every buffer on one device with pinned host memory, "
+                f"got buffers on {arrays[0][0].sharding}"
+            )
+        return PinnedPath()
+    cpu = _cpu_layers(view) is not None
+    if transfer == "cpu" and not cpu:
+        raise ValueError(
+            "transfer: 'cpu' needs a jaxkv pool on one CPU device whose buffers hold raw bits, "
+            f"got buffers on {arrays[0][0].sharding}"
+        )
+    if cpu and transfer != "gather":
+        return CpuCopyPath()
+    return GatherPath()
+
+
+# ---- block copies ------------------------------------------------------------------------------
+
 
 def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
     """Block-major staging arrays `(n_blocks, layer_num, block_size, *row)`, one per part.
 
-    Device buffers are gathered on the device and handed over through DLPack; foreign buffers
-    already in host memory are gathered with numpy.
+    Device buffers are gathered on the device in one jitted call over every layer and part
+    and handed over through DLPack (only the staging array crosses to the host, so no live
+    export of a pool buffer outlives the call: one would turn the next donated update into a
+    full copy); foreign buffers already in host memory are gathered with numpy.
     """
     host = {p.key: view.host_layers(p) for p in view.layout.parts}
     device_parts = tuple(p for p in view.layout.parts if host[p.key] is None)
@@ -56,9 +345,8 @@ def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[st
     return {p.key: out[p.key] for p in view.layout.parts}
 
 
-# glibc serves allocations above this size with fresh mmaps (its dynamic mmap threshold stops
-# growing at 32 MiB on 64-bit), so an XLA:CPU output that large faults in every page each call.
-_FRESH_MMAP_BYTES = 32 << 20
+def _row_bytes(part) -> int:
+    return int(np.prod(part.row_shape)) * part.bits_dtype.itemsize
 
 
 def _cpu_layers(view: PoolView) -> list[list[jax.Array]] | None:
@@ -74,7 +362,7 @@ def _cpu_layers(view: PoolView) -> list[list[jax.Array]] | None:
             devices = b.sharding.device_set
             if len(devices) != 1 or next(iter(devices)).platform != "cpu":
                 return None
-            if b.dtype != part.bits_dtype or pinned_device(b) is not None:
+            if b.dtype != part.bits_dtype:
                 return None
     return arrays
 
@@ -129,120 +417,6 @@ def as_one_array(arrays: list[np.ndarray]):
     return _Blocks(arrays)
 
 
-def stage_blocks(
-    view: PoolView, slots: np.ndarray, block_size: int, cache: StagingCache, store=None
-) -> tuple[list[dict[str, np.ndarray]], list]:
-    """Host copies of the blocks at `slots` for the store path: per block, its parts
-    `(layer_num, block_size, *row)`; also what to give back once the records were written
-    (`cache` buffers, or a store's reservation: see the connector's `_give_back`).
-
-    Blocks of a jaxkv pool on CPU whose slots are contiguous runs are copied with numpy from
-    zero-copy views of the layer buffers, one copy per run of adjacent blocks per layer: into
-    memory `store` lends for the records when it does (`HostStore._reserve`: its `put` then
-    keeps them without a copy), else into reused (already touched) staging. The device gather
-    wrote into fresh XLA output memory, whose first-touch page faults made it 1.5-3.5 memcpys
-    of the same bytes (32 MiB: 6.4-15.9 ms against 4.3 ms).
-    Otherwise, up to 32 MiB per part this is `gather_blocks` (one device-side stacked array,
-    handed over zero-copy). Larger snapshots on CPU gather each layer into its own device
-    array and stack them on the host into reused memory: the stacked 64 MiB output of 32
-    layers took 35 ms (every page a fresh fault) against 8 + 9 ms this way.
-    """
-    n_blocks = len(slots) // block_size
-    starts = block_starts(slots, block_size)
-    layers = _cpu_layers(view) if starts is not None else None
-    if layers is not None:
-        jax.block_until_ready(layers)
-        parts = view.layout.parts
-        shapes = {p.key: ((len(layers[0]), block_size, *p.row_shape), p.bits_dtype) for p in parts}
-        reserve = getattr(store, "_reserve", None)
-        lent = reserve(shapes, n_blocks) if reserve is not None else None
-        if lent is not None:
-            blocks, reservation = lent
-            dests = {k: as_one_array([b[k] for b in blocks]) for k in shapes}
-            give_back = [reservation]
-        else:
-            dests = {
-                k: cache.take((n_blocks, *shape), dtype) for k, (shape, dtype) in shapes.items()
-            }
-            blocks = per_block(dests, n_blocks)
-            give_back = list(dests.values())
-        for part, bufs in zip(parts, layers):
-            _copy_blocks(bufs, starts, block_size, dests[part.key])
-        return blocks, give_back
-    largest = max(
-        n_blocks
-        * view.layout.layer_num
-        * block_size
-        * int(np.prod(p.row_shape))
-        * p.bits_dtype.itemsize
-        for p in view.layout.parts
-    )
-    if largest <= _FRESH_MMAP_BYTES or any(
-        view.host_layers(p) is not None for p in view.layout.parts
-    ):
-        return per_block(gather_blocks(view, slots, block_size), n_blocks), []
-    platform = next(iter(view.arrays()[0][0].sharding.device_set)).platform
-    if platform != "cpu":
-        return per_block(gather_blocks(view, slots, block_size), n_blocks), []
-    codecs = tuple(p.codec for p in view.layout.parts)
-    per_layer = gather_layers_jit(view.arrays(), slots.astype(np.int32), starts, codecs, block_size)
-    jax.block_until_ready(per_layer)
-    out = {}
-    for part, layers in zip(view.layout.parts, per_layer):
-        shape = (n_blocks, len(layers), block_size, *part.row_shape)
-        buf = cache.take(shape, part.bits_dtype)
-        np.stack([to_host(x) for x in layers], axis=1, out=buf)
-        out[part.key] = buf
-    return per_block(out, n_blocks), list(out.values())
-
-
 def per_block(staged: dict[str, np.ndarray], n_blocks: int) -> list[dict[str, np.ndarray]]:
     """Block-major staging `(n_blocks, ...)` per part as each block's parts."""
     return [{key: arr[j] for key, arr in staged.items()} for j in range(n_blocks)]
-
-
-# ---- accelerator path: segments in pinned host memory -----------------------------------------
-
-
-def gather_segment(view: PoolView, slots: np.ndarray, block_size: int) -> Segment | None:
-    """The blocks at `slots` as a `Segment` in pinned host memory, or None when the pool's
-    buffers are not on one device with pinned host memory (use `stage_blocks` then).
-
-    One jitted gather stacks every layer's blocks on the device, and one transfer moves each
-    part to pinned host memory: the segment is the transfer's own output, which a store
-    keeps without a host copy and a load sends back as it is.
-    """
-    if any(view.host_layers(p) is not None for p in view.layout.parts):
-        return None
-    arrays = view.arrays()
-    dev = pinned_device(arrays[0][0])
-    if dev is None or any(pinned_device(bufs[0]) != dev for bufs in arrays):
-        return None
-    codecs = tuple(p.codec for p in view.layout.parts)
-    starts = block_starts(slots, block_size)
-    staged = gather_jit(arrays, slots.astype(np.int32), starts, codecs, block_size)
-    pinned = jax.device_put(
-        list(staged), jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    )
-    keys = [p.key for p in view.layout.parts]
-    return Segment(dict(zip(keys, pinned)), {k: host_view(x) for k, x in zip(keys, pinned)})
-
-
-def segment_staging(
-    segment: Segment, keys: Sequence[str], index: np.ndarray, like: jax.Array
-) -> list[StagingSlot]:
-    """Device-side staging (one `StagingSlot` per part in `keys`) of blocks `index` of
-    `segment`, for a write into buffers on `like`'s device.
-
-    The segment moves from pinned host memory to device memory as it is (the link's speed,
-    no host copy); picking the blocks and splitting them per layer runs on the device.
-    """
-    dev = next(iter(like.sharding.device_set))
-    on_dev = jax.device_put(
-        [segment.arrays[k] for k in keys],
-        jax.sharding.SingleDeviceSharding(dev, memory_kind="device"),
-    )
-    index = np.asarray(index, np.int32)
-    whole = index.shape[0] == segment.blocks and np.array_equal(index, np.arange(segment.blocks))
-    layers = pick_layers_jit(tuple(on_dev), None if whole else index)
-    return [StagingSlot((), tuple(per_layer)) for per_layer in layers]

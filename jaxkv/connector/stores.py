@@ -181,6 +181,26 @@ class BlockStore(abc.ABC):
     @abc.abstractmethod
     def __len__(self) -> int: ...
 
+    def lend(self, parts: Mapping[str, tuple[tuple[int, ...], np.dtype]], count: int):
+        """Memory for `count` records the caller fills itself and then `put`s, so that the
+        store keeps them without copying (optional: a store that cannot lend returns None,
+        this default).
+
+        The connector asks before it copies a CPU pool's blocks to host memory: with a loan,
+        the rows go straight into the store's memory and `put` adopts them.
+
+        Args:
+            parts: the records' parts, name -> (shape, dtype).
+            count: how many records.
+
+        Returns:
+            None, or `(arrays, loan)`: per record, writable arrays laid out as the store
+            keeps them, which `put` keeps without a copy when a record's parts are exactly
+            those arrays; `loan.release()` gives back whatever no `put` kept (call it once
+            the records were put, or when they never will be).
+        """
+        return None
+
     def discard(self, key: str) -> bool:
         """Removes the record held under `key`, if any, because a caller found it wrong: the
         record of another block, another layout or other tokens than its key names (a store
@@ -386,7 +406,7 @@ class HostStore(BlockStore):
       `preallocate_bytes=capacity_bytes` to pay it all at construction, or 0 to pay it only as
       the store grows (for instance on accelerators, where records arrive as segments).
     - A connector storing a CPU pool's blocks copies them straight into arena memory the
-      store lends for them (`_reserve`), and `put` keeps those records without a second copy.
+      store lends for them (`lend`), and `put` keeps those records without a second copy.
 
     Records are handed out read-only, and a record a reader still holds is never overwritten:
     its bytes stay reserved (and counted) until the reader lets go of it. A put that cannot
@@ -429,7 +449,7 @@ class HostStore(BlockStore):
         self._segments: dict[int, list] = {}  # id -> [segment, records of it held]
         self._segment_bytes = 0
         self._held: list[_Slot] = []  # evicted records that a reader still holds
-        # id of a lent record's first array -> (its slot, its arrays), lent by `_reserve`
+        # id of a lent record's first array -> (its slot, its arrays), lent by `lend`
         self._reserved: dict[int, tuple[_Slot, dict[str, np.ndarray]]] = {}
         while self._arena_bytes < preallocate_bytes:
             self._map(min(_CHUNK_BYTES, preallocate_bytes - self._arena_bytes))
@@ -487,17 +507,11 @@ class HostStore(BlockStore):
 
     # ---- arena bytes filled in place --------------------------------------------------------
 
-    def _reserve(self, parts: dict[str, tuple[tuple[int, ...], np.dtype]], count: int):
-        """Arena bytes for `count` records of `parts` (name -> shape, dtype), for a caller that
-        fills them itself and then `put`s records whose parts are exactly those arrays: the
-        store keeps them without a copy. Saves a host copy per stored block (the connector
-        copies CPU pool rows straight into them).
-
-        Returns:
-            `(arrays, reservation)`: per record, writable arrays laid out as `put` would copy
-            them; `reservation.release()` gives back whatever no `put` kept. None when the
-            store cannot lend that much now (then `put` copies as usual).
-        """
+    def lend(self, parts, count):
+        """Arena bytes for `count` records (see `BlockStore.lend`), laid out as `put` copies
+        a record; None when the store cannot lend that much now (then `put` copies as usual).
+        Saves a host copy per stored block: the connector copies CPU pool rows straight into
+        them."""
         size = sum(_round_up(_nbytes(shape, dtype)) for shape, dtype in parts.values())
         if not size or count * size > self.capacity_bytes:
             return None
@@ -675,8 +689,8 @@ class HostStore(BlockStore):
 
 
 class _Reservation:
-    """Reserved arena slots of one `HostStore._reserve` call; `release` gives back those no
-    `put` kept (call it once the records were put, or when they never will be)."""
+    """Reserved arena slots of one `HostStore.lend` call; `release` gives back those no `put`
+    kept (call it once the records were put, or when they never will be)."""
 
     def __init__(self, store: HostStore, keys: list[int]):
         self._store, self._keys = store, keys
@@ -692,7 +706,7 @@ def _nbytes(shape: tuple[int, ...], dtype) -> int:
 
 def _parts_in(slot: _Slot, parts: Mapping[str, tuple[tuple[int, ...], np.dtype]]):
     """Arrays of `parts` (name -> shape, dtype) laid one after another in `slot`, each at a
-    rounded offset: how `put` lays out a copied record and `_reserve` a lent one."""
+    rounded offset: how `put` lays out a copied record and `lend` a lent one."""
     out, offset = {}, 0
     for name, (shape, dtype) in parts.items():
         nbytes = _nbytes(shape, dtype)
