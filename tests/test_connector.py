@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import random_mha_pool, raw_rows, run_python
 
 import jaxkv
 from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
@@ -1061,3 +1061,36 @@ def test_connector_stats_count_block_hits_misses_and_the_stores_failures(tmp_pat
     assert st["verification_failures"] == 1 == st["store"]["verification_failures"]
     assert st["evictions"] == st["store"]["evictions"] == 0
     assert st["io_errors"] == 0 and st["pending_blocks"] == 0
+
+
+def test_lookup_and_load_from_a_block_on_skip_the_blocks_held_elsewhere():
+    """A prefix cache holds a prompt's first blocks on the device: the connector is asked for
+    the blocks after them only, keyed by the whole prefix's chain, and reads no other key."""
+    pool = random_mha_pool(7, size=64)
+    full = HostStore(1 << 20)
+    conn = KVConnector(pool, full, block_size=4)
+    tokens, src = np.arange(100, 116), np.arange(1, 17)
+    assert conn.store(pool, tokens, src) == 4
+    keys = conn.block_hashes(tokens)
+    later = HostStore(1 << 20)  # holds blocks 1.. only: block 0 lives on the device
+    for key in keys[1:]:
+        later.put(full.get(key))
+    asked = []
+    get_many = later.get_many
+    later.get_many = lambda ks, **kw: asked.extend(ks) or get_many(ks, **kw)
+    conn = KVConnector(pool, later, block_size=4)
+    assert conn.lookup(tokens) == 0
+    assert conn.lookup(tokens, start=4) == 12 and conn.lookup(tokens, start=8) == 8
+    assert conn.lookup(tokens, start=16) == 0
+    want = raw_rows(pool, src[4:])
+    dst = np.arange(40, 52)
+    others = raw_rows(pool, np.setdiff1d(np.arange(65), dst))
+    pool, n = conn.load(pool, tokens, dst, start=4)
+    assert n == 12 and asked == keys[1:]
+    assert np.array_equal(raw_rows(pool, dst), want)
+    assert np.array_equal(raw_rows(pool, np.setdiff1d(np.arange(65), dst)), others)
+    for bad in (2, -4, 20, 4.0, True):
+        with pytest.raises(ValueError, match="start: expected a multiple of block_size=4"):
+            conn.lookup(tokens, start=bad)
+    with pytest.raises(ValueError, match=r"slots: expected shape \(12,\)"):
+        conn.load(pool, tokens, np.arange(40, 56), start=4)

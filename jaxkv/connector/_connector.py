@@ -243,28 +243,37 @@ class KVConnector:
         return [d.hex() for d in self._chain(_hashing.token_bytes(token_ids), salt)]
 
     def lookup(
-        self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
+        self,
+        token_ids: ArrayLike | Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+        start: int = 0,
     ) -> int:
-        """Leading tokens (a multiple of `block_size`) whose blocks are all stored, or being
-        written by `store_async` (on a sharded pool: by every shard this process holds).
+        """Tokens (a multiple of `block_size`) from `start` on whose blocks are all stored, or
+        being written by `store_async` (on a sharded pool: by every shard this process holds).
         Changes no data (a store may refresh recency).
 
         Args:
-            token_ids: 1-D integer token ids.
+            token_ids: 1-D integer token ids, the whole prefix from its first token (block
+                keys are chained from it).
             salt: the salt the blocks were stored under, if any.
+            start: the first token to look for, a multiple of `block_size` (the tokens before
+                it are held elsewhere, say on the device); 0 asks for the whole prefix.
 
         Returns:
-            The number of leading tokens found, a multiple of `block_size`.
+            The number of tokens found from `start` on, a multiple of `block_size`.
 
         Raises:
-            TypeError, ValueError: bad `token_ids` or `salt`, as `block_hashes`.
+            TypeError, ValueError: bad `token_ids` or `salt`, as `block_hashes`; a `start`
+                that is not a multiple of `block_size` in `[0, len(token_ids)]`.
             OSError: the store failed to answer, only when this connector or the store is
                 strict (otherwise the blocks it could not check count as missing).
         """
         n, data = None, _hashing.token_bytes(token_ids)
+        first = self._first_block(start, len(data) // 4)
         with strict_scope(self.strict):
             for fingerprint in self._fingerprints():
-                digests = self._chain(data, salt, fingerprint)
+                digests = self._chain(data, salt, fingerprint)[first:]
                 held = self._held([d.hex() for d in digests], stop_at_miss=True)
                 got = held.index(False) if False in held else len(held)
                 n = got if n is None else min(n, got)
@@ -272,6 +281,16 @@ class KVConnector:
         self._count("lookup_hits", n)
         self._count("lookup_misses", len(digests) - n)
         return n * self.block_size
+
+    def _first_block(self, start, n_tokens: int) -> int:
+        """The block `start` (a token index) begins, checked: a multiple of `block_size`."""
+        bs = self.block_size
+        if not is_int(start) or not 0 <= start <= n_tokens or start % bs:
+            raise ValueError(
+                f"start: expected a multiple of block_size={bs} in [0, {n_tokens}] (the "
+                f"number of token ids), got {start!r}"
+            )
+        return int(start) // bs
 
     def _fingerprints(self) -> list[str]:
         """The layouts this process's blocks are keyed under: the pool's, or one per shard."""
@@ -648,8 +667,10 @@ class KVConnector:
         slots: ArrayLike | Sequence[int],
         *,
         salt: str | bytes | None = None,
+        start: int = 0,
     ) -> tuple[Pool, int]:
-        """Copies the longest stored prefix of `token_ids` into rows `slots[:n]`, bit-exact.
+        """Copies the longest stored run of `token_ids`' blocks from `start` on into rows
+        `slots[:n]`, bit-exact (with `start=0`, the longest stored prefix).
 
         Every record is checked against its key, this layout and its block's token ids; the
         first block that fails ends the prefix (corrupt data is never loaded). Like eager
@@ -658,31 +679,36 @@ class KVConnector:
 
         Args:
             pool: a pool of this connector's layout to write into.
-            token_ids: 1-D integer token ids.
-            slots: the rows to write, one per token (`len(slots) == len(token_ids)`); only
-                the first `n_loaded_tokens` are written.
+            token_ids: 1-D integer token ids, the whole prefix from its first token (block
+                keys are chained from it).
+            slots: the rows to write, one per token from `start` on (`len(slots) ==
+                len(token_ids) - start`); only the first `n_loaded_tokens` are written.
             salt: the salt the blocks were stored under, if any.
+            start: the first token to load, a multiple of `block_size`: the tokens before it
+                are already in the pool (a prefix cache's device hit), and only the blocks
+                after them are read.
 
         Returns:
-            `(new_pool, n_loaded_tokens)`, `n_loaded_tokens` a multiple of `block_size` (0
-            when nothing is stored; then `pool` itself is returned).
+            `(new_pool, n_loaded_tokens)`: the tokens loaded from `start` on, a multiple of
+            `block_size` (0 when nothing is stored; then `pool` itself is returned).
 
         Raises:
             RuntimeError: the connector is closed.
-            ValueError, TypeError, UnsupportedKVCacheError: bad arguments, as `store`; also
-                `TypeError` when a foreign pool's buffers cannot be written (checked before
-                any is written).
+            ValueError, TypeError, UnsupportedKVCacheError: bad arguments, as `store` (and a
+                `start` as `lookup`); also `TypeError` when a foreign pool's buffers cannot be
+                written (checked before any is written).
             OSError: the store failed to read, only when this connector or the store is
                 strict (otherwise the prefix ends at the failed block).
         """
         self._check_open()
         view = self._view(pool)
         data = _hashing.token_bytes(token_ids)
-        slots = self._slots(slots, len(data) // 4, view.layout.rows)
+        first = self._first_block(start, len(data) // 4)
+        slots = self._slots(slots, len(data) // 4 - first * self.block_size, view.layout.rows)
         self._count("loads")
         if self._shards is not None:
-            return self._load_shards(view, data, slots, salt)
-        records, n_blocks = self._fetch(self.layout, self.fingerprint, data, salt)
+            return self._load_shards(view, data, slots, salt, first)
+        records, n_blocks = self._fetch(self.layout, self.fingerprint, data, salt, first)
         self._count("hits", len(records))
         self._count("misses", n_blocks - len(records))
         if not records:
@@ -695,10 +721,12 @@ class KVConnector:
         self._count("bytes_loaded", len(records) * self.layout.block_nbytes(bs))  # all checked
         return pool, n
 
-    def _fetch(self, layout, fingerprint: str, data: bytes, salt) -> tuple[list[BlockRecord], int]:
-        """The verified records of the longest stored prefix under `fingerprint`, and the
-        number of full blocks asked for."""
-        digests = self._chain(data, salt, fingerprint)
+    def _fetch(
+        self, layout, fingerprint: str, data: bytes, salt, first: int = 0
+    ) -> tuple[list[BlockRecord], int]:
+        """The verified records of the longest stored run of blocks from block `first` on
+        under `fingerprint`, and the number of full blocks asked for."""
+        digests = self._chain(data, salt, fingerprint)[first:]
         bs = self.block_size
         keys = [d.hex() for d in digests]
         self._wait_pending(keys)
@@ -717,7 +745,7 @@ class KVConnector:
         for i, record in enumerate(got or ()):
             if record is None:
                 break
-            block = data[4 * i * bs : 4 * (i + 1) * bs]
+            block = data[4 * (first + i) * bs : 4 * (first + i + 1) * bs]
             if not _valid(record, keys[i], block, fingerprint, want):
                 self._count("verification_failures")
                 self._discard(keys[i])
@@ -733,11 +761,11 @@ class KVConnector:
         if removed:
             self._count("discarded")
 
-    def _load_shards(self, view: PoolView, data: bytes, slots, salt):
-        """`load` of a sharded pool: the prefix every shard of this process holds, written
+    def _load_shards(self, view: PoolView, data: bytes, slots, salt, first: int):
+        """`load` of a sharded pool: the blocks every shard of this process holds, written
         into each replica's shard on its own device, then the global buffers rebuilt."""
         groups = _shards.shard_views(self._shards, view)
-        fetched = [self._fetch(g.layout, g.fingerprint, data, salt) for g, _ in groups]
+        fetched = [self._fetch(g.layout, g.fingerprint, data, salt, first) for g, _ in groups]
         n_blocks = min(len(records) for records, _ in fetched)
         self._count("hits", n_blocks)
         self._count("misses", fetched[0][1] - n_blocks)
