@@ -9,6 +9,7 @@ from jaxkv._version import __version__
 from jaxkv.allocators import PagedAllocator, ReqToTokenPool, TokenAllocator
 from jaxkv.errors import ConsumedPoolError, CopyWarning, UnsupportedKVCacheError
 from jaxkv.pools import KOnlyPool, MHAPool, MLAPool, NSAPool
+from jaxkv.radix_cache import PrefixMatch, RadixCache
 
 # SGLang names, so code ported from SGLang reads the same.
 MHATokenToKVPool = MHAPool
@@ -29,6 +30,8 @@ __all__ = [
     "TokenAllocator",
     "PagedAllocator",
     "ReqToTokenPool",
+    "RadixCache",
+    "PrefixMatch",
     "UnsupportedKVCacheError",
     "ConsumedPoolError",
     "CopyWarning",
