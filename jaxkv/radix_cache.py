@@ -86,8 +86,9 @@ class _Node:
     `first` is the node's key in its parent's `children` (its first page's bytes, with the salt
     at the top level); `end` is the prefix length, in tokens, up to the node's last token, which
     a split never changes for the node that keeps its object (the lower half), so handles stay
-    valid. A lock on a node is a lock on every node above it: a parent's `lock_ref` is never
-    below a child's.
+    valid. `lock_ref` counts the locks on the node and below it (a lock on a node is a lock on
+    every node above it, so a parent's is never below a child's); `locks` counts only the
+    `inc_lock_ref` calls made on this node's handle, which a `dec_lock_ref` of it must match.
     """
 
     __slots__ = (
@@ -99,6 +100,7 @@ class _Node:
         "end",
         "salt",
         "lock_ref",
+        "locks",
         "stamp",
         "alive",
         "owner",
@@ -114,6 +116,7 @@ class _Node:
         self.end = end
         self.salt: bytes | None = salt
         self.lock_ref = 0
+        self.locks = 0
         self.stamp = stamp
         self.alive = True
 
@@ -121,7 +124,7 @@ class _Node:
         if self.parent is None:
             return "<RadixCache root>"
         state = "" if self.alive else ", evicted"
-        return f"<RadixCache node: prefix end {self.end}, lock_ref {self.lock_ref}{state}>"
+        return f"<RadixCache node: prefix end {self.end}, locks {self.locks}{state}>"
 
 
 def _salt_key(salt) -> bytes | None:
@@ -550,6 +553,8 @@ class RadixCache:
                 "again and lock the new handle before using its slots)"
             )
         delta = 0
+        if node.parent is not None:
+            node.locks += 1
         while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= node.key.size
@@ -571,16 +576,19 @@ class RadixCache:
 
         Raises:
             TypeError: `node` is not a handle of this cache.
-            ValueError: `node` is not locked (a release without a matching `inc_lock_ref`;
-                nothing changes). SGLang lets the count go negative there.
+            ValueError: `node`'s handle holds no lock (a release without a matching
+                `inc_lock_ref` of that handle; a lock of a longer prefix does not count);
+                nothing changes then. SGLang lets its count go negative there.
         """
         node = self._own(node)
-        if node.parent is not None and node.lock_ref == 0:
+        if node.parent is not None and node.locks == 0:
             raise ValueError(
                 f"node: expected a handle locked by inc_lock_ref, got {node!r} (one more "
                 "dec_lock_ref than inc_lock_ref)"
             )
         first, delta = node, 0
+        if node.parent is not None:
+            node.locks -= 1
         while node.parent is not None:
             if node.lock_ref == 1:
                 self._evictable += node.key.size
