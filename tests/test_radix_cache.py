@@ -513,3 +513,328 @@ def test_matches_the_plain_model(page, data):
     assert cache.evict(10**6) == len(model.evict(10**6)[0])
     assert _sizes(cache) == (0, 0, 0)
     assert alloc.available_size() == alloc.size
+
+
+# --------------------------------------------------------------------------------------------
+# The store tier, over a real connector and HostStore
+
+
+def _pool(page: int, size: int = 64, seed: int = 0) -> MHAPool:
+    """An MHA pool (2 layers) whose every row holds random values."""
+    if page == 1:
+        return random_mha_pool(seed, size=size, head_dim=4, layer_num=2)
+    pool = MHAPool.create(
+        size=size, page_size=page, dtype=np.float32, head_num=1, head_dim=4, layer_num=2
+    )
+    return _scribble(pool, np.arange(pool.size + page), seed)
+
+
+def _scribble(pool, slots, seed: int):
+    """`pool` with new random values in rows `slots` of every layer."""
+    rng = np.random.default_rng(seed + 1000)
+    shape = (len(slots), pool.head_num, pool.head_dim)
+    for layer in range(pool.layer_num):
+        k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+        pool = pool.set_kv(layer, np.asarray(slots), k, v)
+    return pool
+
+
+class _Faulty(KVConnector):
+    """A `KVConnector` whose `lookup`, `store` or `load` raise while named in `failing`, and
+    whose `load` finds only the first block asked for while `"short"` is named there (as if
+    the store had lost the others since `lookup`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failing: set[str] = set()
+
+    def _check(self, name: str) -> None:
+        if name in self.failing:
+            raise OSError(f"injected {name} failure")
+
+    def lookup(self, *args, **kwargs):
+        self._check("lookup")
+        return super().lookup(*args, **kwargs)
+
+    def store(self, *args, **kwargs):
+        self._check("store")
+        return super().store(*args, **kwargs)
+
+    def load(self, pool, token_ids, slots, *, salt=None, start=0):
+        self._check("load")
+        if "short" in self.failing:
+            end = start + self.block_size
+            token_ids, slots = token_ids[:end], slots[: self.block_size]
+        return super().load(pool, token_ids, slots, salt=salt, start=start)
+
+
+def _tiered(page=1, size=64, block=4, policy="write_back", seed=0):
+    pool = _pool(page, size, seed)
+    conn = _Faulty(pool, HostStore(1 << 22), block_size=block)
+    alloc = _alloc(page, size)
+    return RadixCache(alloc, connector=conn, write_policy=policy), alloc, pool, conn
+
+
+@pytest.mark.parametrize("page, block, n", [(1, 4, 26), (4, 8, 28)])
+def test_an_evicted_prefix_is_found_in_the_store_and_loaded_back_bit_exact(page, block, n):
+    cache, alloc, pool, conn = _tiered(page, block=block)
+    tokens = np.arange(n) + 7
+    slots = alloc.alloc(n)
+    cache.insert(tokens, slots)
+    stored = n // block * block  # the tail of a partial block is not storable
+    want = raw_rows(pool, slots[:stored])
+    assert cache.evict(10**6, pool=pool) == n
+    assert conn.lookup(tokens) == stored
+    pool = _scribble(pool, slots, seed=5)  # the freed rows now hold other data
+    m = cache.match_prefix(np.concatenate([tokens, [1, 2, 3]]))
+    assert m.slots.size == 0 and m.stored_tokens == stored
+    free = alloc.available_size()
+    pool, got = cache.load_back(pool, tokens, m)
+    assert isinstance(got, PrefixMatch)
+    assert got.slots.size == stored and got.stored_tokens == 0
+    assert same_bits(raw_rows(pool, got.slots), want)
+    assert alloc.available_size() == free - stored
+    again = cache.match_prefix(tokens)
+    np.testing.assert_array_equal(again.slots, got.slots)
+    assert again.node is got.node
+    assert _sizes(cache) == (stored, 0, stored)
+
+
+def test_write_back_eviction_needs_the_pool():
+    cache, alloc, _, _ = _tiered()
+    cache.insert(np.arange(8), alloc.alloc(8))
+    free = _state(alloc)
+    with pytest.raises(ValueError, match="pool: expected the current pool"):
+        cache.evict(8)
+    assert _sizes(cache) == (8, 0, 8) and _state(alloc) == free
+
+
+def test_load_back_starts_at_the_block_holding_the_device_match_end():
+    """Device match of 6 tokens, blocks of 4: the store is asked from token 4 on, only tokens
+    past 6 count as stored, and the slots loaded for tokens 4..5 go back to the allocator."""
+    cache, alloc, pool, conn = _tiered(block=4)
+    tokens = np.arange(12) + 3
+    slots = alloc.alloc(12)
+    cache.insert(tokens, slots)
+    want = raw_rows(pool, slots)
+    cache.evict(12, pool=pool)
+    pool = _scribble(pool, slots, seed=7)
+    head = alloc.alloc(6)
+    cache.insert(tokens[:6], head)
+    m = cache.match_prefix(tokens)
+    np.testing.assert_array_equal(m.slots, head)
+    assert m.stored_tokens == 6
+    free = alloc.available_size()
+    pool, got = cache.load_back(pool, tokens, m)
+    assert alloc.available_size() == free - 6
+    np.testing.assert_array_equal(got.slots[:6], head)
+    assert same_bits(raw_rows(pool, got.slots[6:]), want[:, 6:])
+    assert cache.total_size() == 12
+
+
+def test_load_back_evicts_when_the_allocator_is_short_but_never_the_match():
+    cache, alloc, pool, conn = _tiered(size=16, block=4)
+    x, y = np.arange(12), np.arange(50, 62)
+    slots = alloc.alloc(12)
+    cache.insert(x, slots)
+    want = raw_rows(pool, slots)
+    cache.evict(12, pool=pool)
+    pool = _scribble(pool, slots, seed=3)
+    cache.insert(y, alloc.alloc(12))
+    head = alloc.alloc(4)
+    cache.insert(x[:4], head)  # newer than y: without the lock, it would be evicted after y
+    cache.match_prefix(y)  # y is now the most recent: only the lock keeps x[:4] on the device
+    m = cache.match_prefix(x)
+    assert alloc.available_size() == 0 and m.stored_tokens == 8
+    pool, got = cache.load_back(pool, x, m)
+    np.testing.assert_array_equal(got.slots[:4], head)
+    assert same_bits(raw_rows(pool, got.slots[4:]), want[:, 4:])
+    assert cache.match_prefix(y).slots.size == 0  # evicted for room, and written back
+    assert conn.lookup(y) == 12
+    assert _sizes(cache) == (12, 0, 12) and alloc.available_size() == 4
+
+
+def test_load_back_gives_back_the_slots_it_could_not_fill():
+    cache, alloc, pool, conn = _tiered(block=4)
+    tokens = np.arange(12)
+    slots = alloc.alloc(12)
+    cache.insert(tokens, slots)
+    cache.evict(12, pool=pool)
+    m = cache.match_prefix(tokens)
+    assert m.stored_tokens == 12
+    conn.failing.add("short")
+    free = alloc.available_size()
+    pool, got = cache.load_back(pool, tokens, m)
+    assert got.slots.size == 4 and got.stored_tokens == 0
+    assert alloc.available_size() == free - 4
+    assert _sizes(cache) == (4, 0, 4)
+
+
+def test_load_back_without_anything_to_load_returns_the_match():
+    cache, alloc, pool, _ = _tiered()
+    m = cache.match_prefix(np.arange(8))
+    assert m.stored_tokens == 0
+    out_pool, got = cache.load_back(pool, np.arange(8), m)
+    assert got is m and out_pool is pool
+    plain = RadixCache(TokenAllocator(8))
+    m = plain.match_prefix([1, 2])
+    assert plain.load_back(pool, [1, 2], m) == (pool, m)
+
+
+def test_load_back_checks_its_match():
+    cache, alloc, pool, _ = _tiered(block=4)
+    tokens = np.arange(8)
+    cache.insert(tokens, alloc.alloc(8))
+    m = cache.match_prefix(tokens)
+    with pytest.raises(TypeError, match="match"):
+        cache.load_back(pool, tokens, (m.slots, m.node))
+    with pytest.raises(ValueError, match="match: expected the match of these token_ids"):
+        cache.load_back(pool, np.arange(100, 108), m)
+    with pytest.raises(ValueError, match="match: expected the match of these token_ids"):
+        cache.load_back(pool, tokens, m, salt="other")
+    cache.evict(8, pool=pool)
+    with pytest.raises(ValueError, match="still cached"):
+        cache.load_back(pool, tokens, m)
+
+
+def test_a_locked_prefix_is_never_evicted_nor_written():
+    cache, alloc, pool, conn = _tiered(block=4)
+    a, b = np.arange(8), np.arange(100, 112)
+    a_slots = alloc.alloc(8)
+    cache.insert(a, a_slots)
+    cache.insert(b, alloc.alloc(12))
+    cache.inc_lock_ref(cache.match_prefix(a).node)
+    assert cache.evict(10**6, pool=pool) == 12
+    np.testing.assert_array_equal(cache.match_prefix(a).slots, a_slots)
+    assert conn.lookup(a) == 0 and conn.lookup(b) == 12
+    assert _sizes(cache) == (0, 8, 8)
+
+
+def test_a_salted_prefix_never_matches_under_another_salt_in_the_tree_or_the_store():
+    cache, alloc, pool, conn = _tiered(block=4)
+    tokens = np.arange(12)
+    slots = alloc.alloc(12)
+    cache.insert(tokens, slots, salt="t1")
+    want = raw_rows(pool, slots)
+    for other in ("t2", None, ""):
+        m = cache.match_prefix(tokens, salt=other)
+        assert m.slots.size == 0 and m.stored_tokens == 0
+    cache.evict(12, pool=pool)
+    pool = _scribble(pool, slots, seed=9)
+    for other in ("t2", None, ""):
+        m = cache.match_prefix(tokens, salt=other)
+        assert m.slots.size == 0 and m.stored_tokens == 0
+        assert cache.load_back(pool, tokens, m, salt=other)[1] is m
+    m = cache.match_prefix(tokens, salt=b"t1")
+    assert m.stored_tokens == 12
+    pool, got = cache.load_back(pool, tokens, m, salt="t1")
+    assert same_bits(raw_rows(pool, got.slots), want)
+    assert cache.match_prefix(tokens).slots.size == 0
+
+
+def test_write_through_stores_at_insert_and_needs_the_pool():
+    cache, alloc, pool, conn = _tiered(block=4, policy="write_through")
+    tokens = np.arange(10)
+    slots = alloc.alloc(10)
+    with pytest.raises(ValueError, match="pool: expected the current pool"):
+        cache.insert(tokens, slots)
+    assert cache.total_size() == 0
+    assert cache.insert(tokens, slots, pool=pool) == 0
+    assert conn.lookup(tokens) == 8
+    longer = np.arange(14)
+    more = alloc.alloc(4)
+    assert cache.insert(longer, np.concatenate([slots, more]), pool=pool) == 10
+    assert conn.lookup(longer) == 12
+    assert cache.evict(10**6) == 14  # nothing left to write: no pool needed
+    assert cache.match_prefix(longer).stored_tokens == 12
+
+
+def test_without_a_write_policy_the_store_is_only_read():
+    cache, alloc, pool, conn = _tiered(block=4, policy=None)
+    tokens = np.arange(8)
+    slots = alloc.alloc(8)
+    cache.insert(tokens, slots, pool=pool)
+    assert cache.evict(8) == 8
+    assert conn.lookup(tokens) == 0
+    assert conn.store(pool, tokens, alloc.alloc(8)) == 2  # another writer fills the store
+    assert cache.match_prefix(tokens).stored_tokens == 8
+
+
+# ---- all or nothing, with failures injected -------------------------------------------------
+
+
+def _twins(build):
+    """Two caches set up by `build(cache, alloc, pool)` alike, with their pools."""
+    out = []
+    for _ in range(2):
+        cache, alloc, pool, conn = _tiered(size=32, block=4)
+        out.append((cache, alloc, build(cache, alloc, pool), conn))
+    return out
+
+
+def _two_prompts(cache, alloc, pool):
+    cache.insert(np.arange(12), alloc.alloc(12))
+    cache.insert(np.arange(100, 108), alloc.alloc(8))
+    return pool
+
+
+def test_a_failing_lookup_leaves_the_tree_as_it_was():
+    (a, _, pool_a, conn_a), (b, _, pool_b, _) = _twins(_two_prompts)
+    conn_a.failing.add("lookup")
+    with pytest.raises(OSError, match="injected"):
+        # Matched, it would split [0..11] after 6 tokens and stamp it newer than [100..107].
+        a.match_prefix(np.r_[0:6, 50:56])
+    conn_a.failing.clear()
+    assert _trace(a, pool_a) == _trace(b, pool_b)
+
+
+def test_a_failing_write_back_evicts_nothing():
+    (a, alloc_a, pool_a, conn_a), (b, _, pool_b, _) = _twins(_two_prompts)
+    free = _state(alloc_a)
+    conn_a.failing.add("store")
+    with pytest.raises(OSError, match="injected"):
+        a.evict(20, pool=pool_a)
+    assert _state(alloc_a) == free
+    conn_a.failing.clear()
+    assert _trace(a, pool_a) == _trace(b, pool_b)
+
+
+def test_a_failing_write_through_caches_nothing():
+    cache, alloc, pool, conn = _tiered(block=4, policy="write_through")
+    slots = alloc.alloc(8)
+    free = _state(alloc)
+    conn.failing.add("store")
+    with pytest.raises(OSError, match="injected"):
+        cache.insert(np.arange(8), slots, pool=pool)
+    assert _sizes(cache) == (0, 0, 0) and _state(alloc) == free
+    assert cache.match_prefix(np.arange(8)).slots.size == 0
+
+
+def _short_of_room(cache, alloc, pool):
+    """x = [0..11] in the store only, its first 4 tokens on the device, and the allocator
+    full: a load_back of x must evict [100..127] first."""
+    x = np.arange(12)
+    slots = alloc.alloc(12)
+    cache.insert(x, slots)
+    cache.evict(12, pool=pool)
+    cache.insert(np.arange(100, 128), alloc.alloc(28))
+    cache.insert(x[:4], alloc.alloc(4))
+    cache.match_prefix(np.arange(100, 128))
+    return pool
+
+
+@pytest.mark.parametrize("failing", ["load", "store"])
+def test_a_failing_load_back_leaves_tree_allocator_and_locks_as_they_were(failing):
+    (a, alloc_a, pool_a, conn_a), (b, _, pool_b, _) = _twins(_short_of_room)
+    m = a.match_prefix(np.arange(12))
+    b.match_prefix(np.arange(12))
+    assert m.stored_tokens == 8 and alloc_a.available_size() == 0
+    free, sizes = _state(alloc_a), _sizes(a)
+    conn_a.failing.add(failing)  # the load, or the write-back of the eviction before it
+    with pytest.raises(OSError, match="injected"):
+        a.load_back(pool_a, np.arange(12), m)
+    assert _state(alloc_a) == free and _sizes(a) == sizes
+    with pytest.raises(ValueError, match="one more dec_lock_ref"):
+        a.dec_lock_ref(m.node)  # the lock load_back took is released
+    conn_a.failing.clear()
+    assert _trace(a, pool_a) == _trace(b, pool_b)
