@@ -303,6 +303,8 @@ class Engine:
 
     Raises:
         ValueError: bad sizes (from the pool, the allocator or the connector).
+        TypeError, ValueError: weights `params_fingerprint` cannot read, when it derives the
+            namespace.
     """
 
     def __init__(
@@ -475,9 +477,7 @@ class Engine:
         (every request's slots and row were given back, and stored blocks live in the
         store), so an empty one of the same shape takes its place."""
         pool = self.pool
-        if getattr(pool, "consumed", False) or any(
-            leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(pool)
-        ):
+        if pool.consumed or any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(pool)):
             self.pool = self._new_pool()
         try:
             table = self.req_to_token.req_to_token
