@@ -85,8 +85,9 @@ class DecoderConfig:
                 )
 
     def fingerprint(self) -> str:
-        """A short hash of every field, `seed` included: the weights are a function of it, so it
-        namespaces stored KV blocks (two models never share a block)."""
+        """A short hash of every field, `seed` included. It names the architecture, not the
+        weights (a fine-tune, or weights not from `init_params`, share it), so the `Engine`'s
+        default namespace joins it with `params_fingerprint` of the weights served."""
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
 
