@@ -996,6 +996,41 @@ def test_pinned_load_spanning_segments_and_disk_records(pinned, tmp_path):
         _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots, dst_slots, 16))
 
 
+def test_a_pinned_load_of_segments_and_other_records_is_one_write(pinned, monkeypatch):
+    """Two segments sent back whole and a record staged on the host reach the pool in one
+    scatter: when staging the last record fails, the pool is neither changed nor consumed."""
+    from jaxkv.connector import _transfers
+
+    rng = np.random.default_rng(23)
+    src = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    store = HostStore(1 << 22)
+    conn = KVConnector(src, store, block_size=16)
+    tokens = rng.integers(0, 50_000, 48)
+    assert conn.store(src, tokens[:16], np.arange(1, 17)) == 1  # segment 1
+    assert conn.store(src, tokens[:32], np.arange(1, 33)) == 1  # segment 2
+    plain = KVConnector(src, store, block_size=16, transfer="gather")  # a copied record
+    assert plain.store(src, tokens, np.arange(1, 49)) == 1
+    dst = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    before = _raw(dst)
+    real = _transfers.as_one_array
+
+    def failing(arrays):
+        raise MemoryError("no staging")
+
+    monkeypatch.setattr(_transfers, "as_one_array", failing)
+    with pytest.raises(MemoryError):
+        conn.load(dst, tokens, np.arange(60, 108))
+    assert not dst.consumed  # the segments were staged, but nothing was written
+    _assert_raw_equal(_raw(dst), before)
+    del pinned[:]
+    monkeypatch.setattr(_transfers, "as_one_array", real)
+    src_raw = _raw(src)
+    dst, n = conn.load(dst, tokens, np.arange(60, 108))
+    assert n == 48 and len(pinned) == 2
+    want = _model_load(before, src_raw, np.arange(1, 49), np.arange(60, 108), 1)
+    _assert_raw_equal(_raw(dst), want)
+
+
 @pytest.mark.parametrize("kind", ("mha", "nsa"))
 def test_pinned_roundtrip_sglang_shaped_jax_buffers(pinned, kind):
     rng = np.random.default_rng(23)

@@ -51,10 +51,6 @@ class PoolView:
         parts = self.layout.parts if parts is None else parts
         return tuple(tuple(_device_array(b) for b in getattr(self.pool, p.attr)) for p in parts)
 
-    def rebind(self, pool) -> PoolView:
-        """A view of `pool`, of this view's layout (the pool a write returned)."""
-        return type(self)(pool, self.layout)
-
     def write(self, slots: np.ndarray, staging: Sequence[Staging], block_size: int):
         """Writes `staging` (one `Staging` per part) at `slots`; returns the pool.
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +176,22 @@ class DeviceStaging(Staging):
 
     def layer_rows(self, layer):
         return to_host(self._device[layer])
+
+
+class JoinedStaging(Staging):
+    """Several stagings of one part, their blocks one after another: one scatter writes them
+    all (joined on the device, one concatenation per layer)."""
+
+    def __init__(self, parts: Sequence[Staging]):
+        self._parts = tuple(parts)
+        self.reused = any(p.reused for p in self._parts)
+
+    def on_device(self, like):
+        layers = zip(*(p.on_device(like) for p in self._parts))
+        return tuple(jnp.concatenate(per_layer) for per_layer in layers)
+
+    def layer_rows(self, layer):
+        return np.concatenate([p.layer_rows(layer) for p in self._parts])
 
 
 class StagingCache:

@@ -41,6 +41,8 @@ from jaxkv.connector._pool_views import PoolView
 from jaxkv.connector._records import BlockRecord, Segment, address, is_block_of
 from jaxkv.connector._staging import (
     DeviceStaging,
+    JoinedStaging,
+    Staging,
     StagingCache,
     host_view,
     pinned_device,
@@ -89,24 +91,29 @@ class TransferPath:
         """`write` through host staging: the records stacked per layer into staging memory
         that reaches the device without a further host copy where the path has one."""
         with contextlib.ExitStack() as stack:
-            staging = []
-            for p in view.layout.parts:
-                like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
-                kind, device = self._staging_kind(like)
-                shape = (len(records), block_size, *p.row_shape)
-                slot = stack.enter_context(
-                    self.staging.borrow(kind, view.layout.layer_num, shape, p.bits_dtype, device)
-                )
-                # Blocks a HostStore holds side by side (stored together) are one strided
-                # array: one copy per layer instead of a stack of every block.
-                blocks = as_one_array([r.parts[p.key] for r in records])
-                for li, host in enumerate(slot.host):
-                    if isinstance(blocks, np.ndarray):
-                        host[...] = blocks[:, li]
-                    else:
-                        np.stack([r.parts[p.key][li] for r in records], out=host)
-                staging.append(slot)
+            staging = self._staged(stack, view, records, block_size)
             return view.write(slots, staging, block_size)
+
+    def _staged(self, stack, view, records, block_size) -> list[Staging]:
+        """Per part, staging borrowed for the rest of `stack` holding `records`' blocks."""
+        staging = []
+        for p in view.layout.parts:
+            like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
+            kind, device = self._staging_kind(like)
+            shape = (len(records), block_size, *p.row_shape)
+            slot = stack.enter_context(
+                self.staging.borrow(kind, view.layout.layer_num, shape, p.bits_dtype, device)
+            )
+            # Blocks a HostStore holds side by side (stored together) are one strided
+            # array: one copy per layer instead of a stack of every block.
+            blocks = as_one_array([r.parts[p.key] for r in records])
+            for li, host in enumerate(slot.host):
+                if isinstance(blocks, np.ndarray):
+                    host[...] = blocks[:, li]
+                else:
+                    np.stack([r.parts[p.key][li] for r in records], out=host)
+            staging.append(slot)
+        return staging
 
     def _staging_kind(self, like: jax.Array | None) -> tuple[str, jax.Device | None]:
         """The load staging for buffers like `like` (None: written outside XLA)."""
@@ -218,33 +225,31 @@ class PinnedPath(TransferPath):
         return Snapshot(per_block(segment.host, len(slots) // block_size), segment)
 
     def write(self, view, records, slots, block_size):
-        """Segments worth sending whole go back as they are (one write each), the rest
-        through pinned staging (one more write)."""
+        """Segments worth sending whole go back as they are, the other records through pinned
+        staging; all of it in one scatter, so a load that fails changes nothing."""
         by_segment: dict[int, list[int]] = {}
         for i, record in enumerate(records):
             if is_block_of(record):
                 by_segment.setdefault(id(record.source[0]), []).append(i)
-        whole: set[int] = set()
-        pool = None
+        keys = [p.key for p in view.layout.parts]
+        device = _device(view.arrays())
+        order: list[int] = []  # record indices in the order their staging is joined
+        groups: list[list[Staging]] = []  # per group, one staging per part
         for group in by_segment.values():
             segment = records[group[0]].source[0]
             if len(group) < self.whole_segment_share * segment.blocks:  # blocks of one size
                 continue
-            if pool is not None:
-                view = view.rebind(pool)  # the pool the previous write returned
             index = np.array([records[i].source[1] for i in group])
-            rows = np.concatenate([slots[i * block_size : (i + 1) * block_size] for i in group])
-            keys = [p.key for p in view.layout.parts]
-            staging = self.segment_staging(segment, keys, index, _device(view.arrays()))
-            pool = view.write(rows, staging, block_size)
-            whole.update(group)
+            groups.append(self.segment_staging(segment, keys, index, device))
+            order += group
+        whole = set(order)
         rest = [i for i in range(len(records)) if i not in whole]
-        if not rest:
-            return pool
-        if pool is not None:
-            view = view.rebind(pool)
-        rows = np.concatenate([slots[i * block_size : (i + 1) * block_size] for i in rest])
-        return self.write_staged(view, [records[i] for i in rest], rows, block_size)
+        rows = np.concatenate([slots[i * block_size : (i + 1) * block_size] for i in order + rest])
+        with contextlib.ExitStack() as stack:
+            if rest:
+                groups.append(self._staged(stack, view, [records[i] for i in rest], block_size))
+            staging = groups[0] if len(groups) == 1 else [JoinedStaging(g) for g in zip(*groups)]
+            return view.write(rows, staging, block_size)
 
     def segment_staging(
         self, segment: Segment, keys: Sequence[str], index: np.ndarray, device: jax.Device
