@@ -57,8 +57,7 @@ class PoolView:
         `staging` holds one layer-major host array per part, `(layer_num, n_blocks, block_size,
         *row)`: each layer's slice is contiguous, so it reaches the device as its own zero-copy
         array and the scatter reads it directly (slicing a block-major array inside the jitted
-        call made XLA copy every layer's rows into fresh temporaries first: 12.9 ms instead of
-        1.6 ms for the 32 MiB scatter here).
+        call makes XLA copy every layer's rows into fresh temporaries first).
         """
         raise NotImplementedError
 

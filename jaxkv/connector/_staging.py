@@ -1,7 +1,7 @@
 """Staging memory between pools and stores: host views of device arrays and back.
 
-Fresh host memory costs a page fault per 4 KiB page on first touch (32 MiB of records copied
-into fresh buffers ran at 1.8 GB/s here, against 7.4 GB/s for memcpy into touched memory), so
+Fresh host memory costs a page fault per 4 KiB page on first touch, which makes a copy into it
+several times slower than memcpy into memory already touched (docs/performance.md), so
 staging buffers are cached and reused.
 
 On accelerators, blocks cross the host link through pinned host memory (`memory_kind=

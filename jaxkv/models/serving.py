@@ -177,9 +177,9 @@ class CompiledSteps:
         if exe is None:
             t0 = time.perf_counter()
             exe = self._jit.lower(*args, ctx=ctx).compile()
-            # XLA:CPU finishes setting an executable up on its first run (0.1-0.2 s for a
-            # step here). Run it once on an all-padding batch: every write goes to slot -1
-            # and is dropped, so the donated pool comes back unchanged.
+            # XLA:CPU finishes setting an executable up on its first run, which would land in
+            # the first request's time. Run it once on an all-padding batch: every write goes
+            # to slot -1 and is dropped, so the donated pool comes back unchanged.
             idle = [np.zeros_like(a) for a in (rows, tokens, start, n_new)]
             _, pool = exe(params, pool, table, *idle, np.full_like(loc, -1))
             jax.block_until_ready(pool)
