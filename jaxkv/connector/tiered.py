@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxkv._checks import bool_arg
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector.stores import BlockStore
 
@@ -65,7 +66,7 @@ class TieredStore(BlockStore):
 
     @strict.setter
     def strict(self, value: bool) -> None:
-        self._strict = bool(value)
+        self._strict = bool_arg("strict", value)
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +125,7 @@ class TieredStore(BlockStore):
         return found
 
     def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+        stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
         found = self._find(
             keys, lambda tier, ks, stop: tier.contains_many(ks, stop_at_miss=stop), stop_at_miss
         )
@@ -132,6 +134,7 @@ class TieredStore(BlockStore):
     def get_many(
         self, keys: Sequence[str], *, stop_at_miss: bool = False
     ) -> list[BlockRecord | None]:
+        stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
         found = self._find(
             keys, lambda tier, ks, stop: tier.get_many(ks, stop_at_miss=stop), stop_at_miss
         )
