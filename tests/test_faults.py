@@ -404,3 +404,60 @@ def test_a_failed_eviction_is_not_counted_nor_fails_the_write_that_landed(tmp_pa
     fs.clear()
     assert store.put(_records(5)[4])  # removals work again: the rescan finds all five files
     assert store.stats()["evictions"] == 3 and _kvb_files(tmp_path / "blocks") == 2
+
+
+@pytest.mark.parametrize("stored_first", [0, 2])
+def test_a_failed_promotion_keeps_the_records_read(tmp_path, stored_first):
+    records = _records(4)
+    slow = DiskStore(tmp_path / "slow")
+    slow.put_many(records)
+    fast, fs = _disk(tmp_path / "fast", strict=True)
+    fs.fail("mkdir", errno.ENOSPC, after=stored_first)  # the fast disk fills up
+    stack = TieredStore(fast, slow)
+    got = stack.get_many([r.key for r in records])
+    assert [g.key for g in got] == [r.key for r in records]
+    st = stack.stats()
+    assert st["promotions"] == stored_first == len(fast)
+    assert st["io_errors"] == st["tiers"][0]["io_errors"] == 1  # the strict tier stopped there
+    assert st["hits"] == 4
+
+
+def test_a_strict_connector_loads_what_a_failed_promotion_read(tmp_path):
+    src = _pool()
+    slow = DiskStore(tmp_path / "slow")
+    KVConnector(src, slow).store(src, TOKENS, SLOTS)
+    fast, fs = _disk(tmp_path / "fast")
+    fs.fail("write", errno.ENOSPC)
+    conn = KVConnector(src, TieredStore(fast, slow), strict=True)
+    dst, n = conn.load(_pool(1), TOKENS, SLOTS + 60)
+    assert n == N_BLOCKS * BS
+    np.testing.assert_array_equal(raw_rows(dst, SLOTS + 60), raw_rows(src, SLOTS))
+    # The strict write stopped at its first failure, counted once (the store's count).
+    assert fast.stats()["io_errors"] == conn.stats()["io_errors"] == 1 and len(fast) == 0
+
+
+def test_a_stack_set_strict_raises_its_tiers_io_errors(tmp_path):
+    disk, fs = _disk(tmp_path)
+    (record,) = _records(1)
+    stack = TieredStore(HostStore(1 << 20), disk)
+    disk.put(record)
+    fs.fail("read", errno.EIO)
+    assert stack.get(record.key) is None  # lenient: a counted miss
+    stack.strict = True
+    with pytest.raises(OSError) as err:
+        stack.get(record.key)
+    assert err.value.errno == errno.EIO
+    assert disk.stats()["io_errors"] == 2 and not disk.strict  # the tier's own flag is as set
+
+
+def test_a_stack_discards_from_every_tier_before_raising_a_tiers_error(tmp_path):
+    first, fs = _disk(tmp_path / "a", strict=True)
+    second = DiskStore(tmp_path / "b")
+    (record,) = _records(1)
+    stack = TieredStore(first, second)
+    assert stack.put(record)
+    fs.fail("unlink", errno.EACCES)
+    with pytest.raises(PermissionError):
+        stack.discard(record.key)
+    assert not second.contains(record.key) and not first.contains(record.key)
+    assert stack.stats()["discarded"] == 1
