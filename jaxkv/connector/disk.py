@@ -535,14 +535,14 @@ class DiskStore(BlockStore):
             self._remove(path)
             return
         self._forget(key)
-        self._quarantined(key, self._remove, path)
+        self._remove_file(key, path)
 
-    def _quarantined(self, key: str, remove, path: str) -> bool | None:
-        """`remove(path)` for the file of `key`; the key stays unserved when the file stays
-        (also when the failure is raised)."""
+    def _remove_file(self, key: str, path: str) -> bool | None:
+        """`_remove(path)` for the file of `key`. Should the file stay, the key is no longer
+        promised or served (also when the failure is raised, strict)."""
         with self._lock:
             self._unremoved.add(key)
-        removed = remove(path)
+        removed = self._remove(path)
         if removed is not False:
             with self._lock:
                 self._unremoved.discard(key)
@@ -590,7 +590,7 @@ class DiskStore(BlockStore):
         again by this store, until a `put` of the block replaces it."""
         path = self._file(key)
         self._forget(key)
-        if self._quarantined(key, self._remove, path):
+        if self._remove_file(key, path):
             self._count("discarded")
             return True
         return False
