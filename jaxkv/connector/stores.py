@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from jaxkv._checks import int_arg
+from jaxkv._checks import bool_arg, int_arg
 from jaxkv.connector._records import BlockRecord, Segment, is_block_of
 
 # Library logging: silent unless the application configures the "jaxkv" logger.
@@ -30,16 +30,31 @@ log.addHandler(logging.NullHandler())
 
 # Set while a strict connector's call runs (per thread): stores then raise their I/O errors.
 _STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxkv_strict", default=False)
+# Set while a store tidies up after a call's own work succeeded (a disk store's rescan and
+# eviction after a write): a failure there is counted and logged, never raised, since raising
+# would report the finished work as failed.
+_TIDYING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxkv_tidying", default=False)
 
 
 @contextlib.contextmanager
 def strict_scope(strict: bool) -> Iterator[None]:
     """Makes the stores used inside the block raise their I/O errors when `strict`."""
-    token = _STRICT.set(strict or _STRICT.get())
+    token = _STRICT.set(bool_arg("strict", strict) or _STRICT.get())
     try:
         yield
     finally:
         _STRICT.reset(token)
+
+
+@contextlib.contextmanager
+def tidying_scope() -> Iterator[None]:
+    """Inside the block, stores count and log their I/O errors but never raise them, strict
+    or not: for the upkeep that follows a call whose own work already succeeded."""
+    token = _TIDYING.set(True)
+    try:
+        yield
+    finally:
+        _TIDYING.reset(token)
 
 
 class FailureLog:
@@ -79,16 +94,19 @@ class BlockStore(abc.ABC):
     """Key -> `BlockRecord`. Implementations are thread-safe.
 
     A subclass calls `super().__init__()` first and implements `contains`, `get`, `put` and
-    `__len__`; the batch methods default to those, key by key. Errors of the methods: an
-    `OSError` of the store's I/O is raised only when the store is strict (or a strict
-    `KVConnector` is calling it), else it is counted in `io_errors` and the call answers a
-    miss or a dropped write; a store may raise `ValueError` for a key it cannot name
-    (`DiskStore`: not 64 lowercase hex digits).
+    `__len__`, and `discard` when it can remove a record; the batch methods default to those,
+    key by key. Errors of the methods: an `OSError` of the store's I/O is raised only when the
+    store is strict (or a strict `KVConnector` is calling it), else it is counted in
+    `io_errors` and the call answers a miss or a dropped write; a store may raise `ValueError`
+    for a key it cannot name (`DiskStore`: not 64 lowercase hex digits).
+
+    Whatever `contains` reports held, a `get` of it either returns the verified record or
+    finds it damaged and removes it then (so that `contains` stops reporting it and the next
+    `put` rewrites it): `contains` may check less than `get` (a checksum is verified only on
+    reads), never promise what `get` would keep refusing.
     """
 
-    #: Raise I/O errors (after counting and logging them) instead of turning them into a
-    #: miss or a dropped write. A strict `KVConnector` makes every store strict for its calls.
-    strict = False
+    _strict = False
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -100,12 +118,25 @@ class BlockStore(abc.ABC):
         with self._lock:
             self._counters[name] += n
 
+    @property
+    def strict(self) -> bool:
+        """Raise I/O errors (after counting and logging them) instead of turning them into a
+        miss or a dropped write. A strict `KVConnector` makes every store strict for its
+        calls. Set it to a bool; anything else raises `TypeError` (a flag is never taken from
+        truthiness: `"no"` would turn it on)."""
+        return self._strict
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self._strict = bool_arg("strict", value)
+
     def _failed(self, kind: str, err: OSError) -> None:
         """Counts and logs one I/O failure of class `kind` (read, write, evict, scan...);
-        raises it when the store, or the connector calling it, is strict."""
+        raises it when the store, or the connector calling it, is strict (except inside a
+        `tidying_scope`)."""
         self._count("io_errors")
         self._failures.note(kind, err)
-        if self.strict or _STRICT.get():
+        if (self.strict or _STRICT.get()) and not _TIDYING.get():
             err.jaxkv_counted = True  # so that the connector does not count it again
             raise err
 
@@ -240,8 +271,10 @@ class BlockStore(abc.ABC):
             One bool per key, in order.
 
         Raises:
+            TypeError: a `stop_at_miss` that is not a bool.
             OSError: as `contains`, only when strict.
         """
+        stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
         held = []
         for key in keys:
             held.append(self.contains(key))
@@ -263,8 +296,10 @@ class BlockStore(abc.ABC):
             One record or `None` per key, in order.
 
         Raises:
+            TypeError: a `stop_at_miss` that is not a bool.
             OSError: as `get`, only when strict.
         """
+        stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
         records: list[BlockRecord | None] = []
         for key in keys:
             records.append(self.get(key))
@@ -483,6 +518,17 @@ class HostStore(BlockStore):
             self._counters["bytes_loaded"] += size
             return record
 
+    def discard(self, key: str) -> bool:
+        """Removes the record of `key`, if held (see `BlockStore.discard`). A reader that still
+        holds it keeps it intact: its bytes stay reserved until it lets go, as after an
+        eviction."""
+        with self._lock:
+            if key not in self._records:
+                return False
+            self._remove(key)
+            self._counters["discarded"] += 1
+            return True
+
     def put(self, record: BlockRecord) -> bool:
         size = record.nbytes
         if size > self.capacity_bytes:
@@ -671,10 +717,20 @@ class HostStore(BlockStore):
 
     def _evict_oldest(self) -> _Chunk | None:
         """Evicts the least recently used record; returns the chunk whose bytes it freed."""
-        _, (record, owner, size) = self._records.popitem(last=False)
-        self._bytes -= size
         self._counters["evictions"] += 1
-        del record
+        return self._remove(None)
+
+    def _remove(self, key: str | None) -> _Chunk | None:
+        """Removes the record of `key` (`None`: the least recently used one), which must be
+        held. Its bytes are freed now, or once the last reader holding it lets go; a
+        segment's bytes once its last record leaves. Returns the chunk whose bytes were freed
+        now, if any."""
+        if key is None:
+            _, (record, owner, size) = self._records.popitem(last=False)
+        else:
+            record, owner, size = self._records.pop(key)
+        self._bytes -= size
+        del record  # the store's reference: `unheld` then sees only the readers'
         if isinstance(owner, Segment):
             entry = self._segments[id(owner)]
             entry[1] -= 1
