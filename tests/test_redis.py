@@ -311,20 +311,43 @@ def test_without_redis_py_jaxkv_imports_and_the_store_names_the_extra(monkeypatc
         importlib.reload(remote_module)
 
 
+URL = "redis://127.0.0.1:1/0"
+TIMES = ("timeout_s", "retry_after_s", "max_retry_after_s")
+
+
 @pytest.mark.parametrize(
     "url,kwargs,error,name",
     [
-        ("redis://127.0.0.1:1/0", {"timeout_s": 0}, ValueError, "timeout_s"),
-        ("redis://127.0.0.1:1/0", {"retry_after_s": -1}, ValueError, "retry_after_s"),
-        ("redis://127.0.0.1:1/0", {"key_prefix": 3}, TypeError, "key_prefix"),
+        (URL, {"timeout_s": 0}, ValueError, "timeout_s"),
+        (URL, {"retry_after_s": -1}, ValueError, "retry_after_s"),
+        (URL, {"key_prefix": 3}, TypeError, "key_prefix"),
+        (URL, {"key_prefix": "jaxkv-\ud800:"}, ValueError, "key_prefix"),
+        ("redis://127.0.0.1:1/\ud800", {}, ValueError, "url"),
+        (URL + "?decode_responses=True", {}, ValueError, "url"),
         ("http://127.0.0.1:1/0", {}, ValueError, "url"),
         (None, {}, TypeError, "url"),
+        (URL, {"retry_after_s": 5, "max_retry_after_s": 1}, ValueError, "max_retry_after_s"),
+    ]
+    + [
+        (URL, {arg: value}, ValueError, arg)
+        for arg in TIMES
+        for value in (float("inf"), float("-inf"), float("nan"), 1e300, 10**400, 86400.5, True, "1")
     ],
 )
 def test_bad_arguments_name_themselves(url, kwargs, error, name):
     pytest.importorskip("redis")
     with pytest.raises(error, match=f"^{name}: expected"):
         RedisStore(url, **kwargs)
+
+
+def test_times_up_to_a_day_are_taken_and_the_longest_wait_follows_the_first():
+    pytest.importorskip("redis")
+    store = RedisStore(URL, **dict.fromkeys(TIMES, remote_module.MAX_SECONDS))
+    assert (store.timeout_s, store.retry_after_s, store.max_retry_after_s) == (86400.0,) * 3
+    assert RedisStore(URL, retry_after_s=60).max_retry_after_s == 60  # not below the first
+    assert RedisStore(URL).max_retry_after_s == 30
+    with pytest.raises(ValueError, match=r"in \(0, 86400\], got inf$"):
+        RedisStore(URL, timeout_s=float("inf"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,10 +19,13 @@ the server and closes the breaker when it answers.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
 from collections.abc import Sequence
 
+from jaxkv._checks import text_arg
 from jaxkv.connector import _records
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector.stores import BlockStore
@@ -36,10 +39,25 @@ _INSTALL = (
 _REMOTE_COUNTERS = ("round_trips", "dropped", "unavailable", "breaker_trips")
 
 
-def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
-    return float(value)
+#: The longest time a `RedisStore` argument may name, in seconds (one day). Sockets refuse
+#: infinite or enormous timeouts (`OverflowError` past the platform's `time_t`, `ValueError`
+#: for NaN) only when first used, inside every call; a bound checked at construction names the
+#: argument instead, and no sane timeout or back-off is longer.
+MAX_SECONDS = 86400.0
+
+
+def _seconds(name: str, value) -> float:
+    """`value` as float seconds when it is a real number in `(0, MAX_SECONDS]` (NaN, infinities
+    and bools refused); else `ValueError` naming `name`."""
+    try:
+        seconds = float(value) if isinstance(value, numbers.Real) else math.nan
+    except OverflowError:  # an int past the floats
+        seconds = math.inf
+    if isinstance(value, bool) or not 0 < seconds <= MAX_SECONDS:  # False for NaN too
+        raise ValueError(
+            f"{name}: expected a finite number of seconds in (0, {MAX_SECONDS:g}], got {value!r}"
+        )
+    return seconds
 
 
 class RedisStore(BlockStore):
@@ -53,12 +71,17 @@ class RedisStore(BlockStore):
         key_prefix: put before every block key on the server; separates caches that share
             one database.
         retry_after_s: how long the circuit breaker stays open after the first failure.
-        max_retry_after_s: the longest it stays open after repeated failures.
+        max_retry_after_s: the longest it stays open after repeated failures; at least
+            `retry_after_s`. Default: 30 s, or `retry_after_s` when that is longer.
+
+    Every time is a number of seconds in `(0, MAX_SECONDS]` (one day).
 
     Raises:
         ImportError: redis-py is not installed (extra `redis`).
         TypeError: a `url` or `key_prefix` that is not a string.
-        ValueError: a malformed `url` or a non-positive time.
+        ValueError: a malformed `url` (or one asking for decoded replies), a `url` or
+            `key_prefix` UTF-8 cannot encode, a time that is not a finite number of seconds in
+            `(0, MAX_SECONDS]`, or a `max_retry_after_s` below `retry_after_s`.
 
     `stats()` adds to the common counters: `round_trips` (to the server, for blocks),
     `dropped` (blocks not stored because the server failed or the breaker was open),
@@ -80,7 +103,7 @@ class RedisStore(BlockStore):
         timeout_s: float = 1.0,
         key_prefix: str = "jaxkv:",
         retry_after_s: float = 1.0,
-        max_retry_after_s: float = 30.0,
+        max_retry_after_s: float | None = None,
     ):
         super().__init__()
         try:
@@ -89,15 +112,19 @@ class RedisStore(BlockStore):
             from redis.retry import Retry
         except ImportError as err:
             raise ImportError(_INSTALL) from err
-        if not isinstance(url, str):
-            raise TypeError(f"url: expected a redis:// URL string, got {type(url).__name__}")
-        if not isinstance(key_prefix, str):
-            raise TypeError(f"key_prefix: expected a str, got {type(key_prefix).__name__}")
-        self.timeout_s = _positive("timeout_s", timeout_s)
-        self.retry_after_s = _positive("retry_after_s", retry_after_s)
-        self.max_retry_after_s = _positive("max_retry_after_s", max_retry_after_s)
-        self.url = url
-        self.key_prefix = key_prefix
+        self.url = text_arg("url", url)
+        self.key_prefix = text_arg("key_prefix", key_prefix)
+        self.timeout_s = _seconds("timeout_s", timeout_s)
+        self.retry_after_s = _seconds("retry_after_s", retry_after_s)
+        if max_retry_after_s is None:
+            max_retry_after_s = max(30.0, self.retry_after_s)
+        self.max_retry_after_s = _seconds("max_retry_after_s", max_retry_after_s)
+        if self.max_retry_after_s < self.retry_after_s:
+            # The breaker's wait only grows from `retry_after_s`: a smaller maximum is a typo.
+            raise ValueError(
+                f"max_retry_after_s: expected at least retry_after_s ({self.retry_after_s:g} "
+                f"s), got {max_retry_after_s!r}"
+            )
         self._counters.update(dict.fromkeys(_REMOTE_COUNTERS, 0))
         # No retries inside redis-py: a retry would double the time a dead server costs the
         # caller; the breaker decides when to try again.
@@ -112,6 +139,10 @@ class RedisStore(BlockStore):
             raise ValueError(
                 f"url: expected a redis://, rediss:// or unix:// URL, got {url!r} ({err})"
             ) from err
+        if self._client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError(
+                f"url: expected a URL without decode_responses (records are bytes), got {url!r}"
+            )
         self._errors = (redis.RedisError, OSError)
         self._connection_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         # Circuit breaker: closed while `_open_until` is 0; open (every call answered locally)
