@@ -18,6 +18,7 @@ def measure(setting: Setting) -> list[dict]:
     alloc = PagedAllocator(1 << 20, PAGE)
     prefix = rng.integers(1, 2048, REQUESTS)
     held = alloc.alloc_extend(np.zeros(REQUESTS, int), prefix, np.full(REQUESTS, -1))
+    assert held is not None  # a million slots hold every prefix
     last = held[np.cumsum(prefix) - 1]
     seq = prefix + rng.integers(1, 512, REQUESTS)
     state = alloc.backup_state()

@@ -44,6 +44,7 @@ def measure(setting: Setting) -> list[dict]:
     """
     rng = np.random.default_rng(1)
     sizes, quick, accel = setting.sizes, setting.sizes.quick, setting.accel
+    cases: list[tuple[int, int, tuple[int, ...]]]  # tokens, layers, block sizes
     if accel:
         cases = [(4 * sizes.connector_tokens, 32, (16,) if quick else (16, 256))]
     else:

@@ -6,7 +6,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -17,7 +17,7 @@ _LOAD = hasattr(os, "getloadavg")  # not on Windows
 
 
 def interleaved(
-    cases: dict[str, Callable[[], object]], *, rounds: int, budget_s: float
+    cases: Mapping[str, Callable[[], object]], *, rounds: int, budget_s: float
 ) -> dict[str, float]:
     """Median seconds per case. The cases run alternately, one call each per round, so a slow
     moment of the machine hits all of them alike; `rounds` rounds, or fewer (at least 3) once
@@ -41,6 +41,11 @@ def ready(x):
     """`x` once every array in it is computed (JAX dispatches asynchronously)."""
     jax.block_until_ready(x)
     return x
+
+
+def ready_call(fn: Callable, *args) -> object:
+    """`fn(*args)`, computed."""
+    return ready(fn(*args))
 
 
 def burst(call: Callable[[], object], reps: int) -> Callable[[], None]:

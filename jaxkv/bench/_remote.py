@@ -86,8 +86,9 @@ def measure(setting: Setting) -> dict:
         "host": lambda: HostStore(capacity),
         "disk": lambda: DiskStore(tempfile.mkdtemp(dir=tmp)),
     }
-    if setting.redis_url:
-        stores["redis"] = lambda: RedisStore(setting.redis_url, key_prefix=prefix)
+    url = setting.redis_url
+    if url:
+        stores["redis"] = lambda: RedisStore(url, key_prefix=prefix)
     rows = []
     try:
         for n in counts:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.bench._harness import interleaved, ready
+from jaxkv.bench._harness import interleaved, ready, ready_call
 from jaxkv.bench._report import print_table
 from jaxkv.bench._section import Section, Setting
 from jaxkv.bench._sizes import Sizes, label
@@ -75,7 +76,7 @@ def _decode(model, params, sizes: Sizes) -> list[dict]:
         cases = {"jaxkv": jaxkv_step, "naive functional cache": naive_step}
         long = cached > sizes.cached[0]
         if not long:
-            cases["recompute without cache"] = lambda seq=seq: ready(recompute(params, seq))
+            cases["recompute without cache"] = functools.partial(ready_call, recompute, params, seq)
         rounds = 3 if sizes.quick else (5 if long else 20)
         med = interleaved(cases, rounds=rounds, budget_s=4.0)
         if long and not sizes.quick:
@@ -102,9 +103,10 @@ def _ttft(model, params, sizes: Sizes) -> dict:
     new = sizes.new_tokens
     prefix = rng.integers(0, 256, sizes.prefix).astype(np.int32)
     ctx = bucket(sizes.prefix + new)
-    kw = dict(pool_size=2 * ctx, page_size=PAGE, max_batch=1, max_context=ctx)
-    plain = Engine(model, params, **kw)
-    reuse = Engine(model, params, store=HostStore(64 << 20), **kw)  # holds every round
+    make = functools.partial(
+        Engine, model, params, pool_size=2 * ctx, page_size=PAGE, max_batch=1, max_context=ctx
+    )
+    plain, reuse = make(), make(store=HostStore(64 << 20))  # it holds every round
     times: dict[str, list[float]] = {"no reuse": [], "reuse from HostStore": []}
     loaded = 0
     # Round 0: the reusing engine computes the whole prompt (compiling the full-prompt step

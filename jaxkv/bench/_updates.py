@@ -4,6 +4,7 @@ accelerator, the device's own floors."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -173,7 +174,7 @@ def _accelerator_floors(pool, make, put, size, rows, dtype, loc, vals, vals_np):
     }
 
 
-def configs(sizes: Sizes, accel: bool) -> list[tuple]:
+def configs(sizes: Sizes, accel: bool) -> list[tuple[str, Any, int, int]]:
     """The `(kind, dtype, pool tokens, T)` rows of a run.
 
     CPU: MHA bf16 and fp8 over every pool and T, MLA and K-only on the middle pool at the two
@@ -205,7 +206,10 @@ def configs(sizes: Sizes, accel: bool) -> list[tuple]:
 def measure(setting: Setting) -> list[dict]:
     """One row per configuration (`configs`): median seconds per call of every contender."""
     rng = np.random.default_rng(0)
-    return [_row(*config, setting, rng) for config in configs(setting.sizes, setting.accel)]
+    return [
+        _row(kind, dtype, size, t, setting, rng)
+        for kind, dtype, size, t in configs(setting.sizes, setting.accel)
+    ]
 
 
 def _row(kind, dtype, size: int, t: int, setting: Setting, rng) -> dict:
