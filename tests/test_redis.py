@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO, run_python
+from redis_server import MISSING, LocalRedis
 from test_connector import KINDS, _fill, _make_pool, _roundtrip
 
 from jaxkv import MHAPool
 from jaxkv.connector import HostStore, KVConnector, RedisStore, TieredStore, _records
 from jaxkv.connector import remote as remote_module
-from jaxkv.connector._redis_server import MISSING, LocalRedis
 
 BS = 16
 
