@@ -7,7 +7,7 @@ is deleted; a key holding another type or an empty string is no block, and is de
 loop: misses within the timeout, nothing raised, no wrong data, recovery; the server's LRU
 evicting under `maxmemory`; promotion from Redis into host memory.
 
-The server comes from `jaxkv.connector._redis_server`. Without `redis-server` (or redis-py)
+The server comes from `tests/redis_server.py`. Without `redis-server` (or redis-py)
 these tests skip, naming what is missing, except under CI (`CI` set), where they fail.
 """
 

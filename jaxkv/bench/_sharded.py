@@ -82,9 +82,9 @@ def child(quick: bool, sharded: tuple[int, int, int]) -> None:
     moved = {}
     for name, pool in pools.items():
         conn = KVConnector(pool, HostStore(4 * kv_bytes(store_t, pool.layer_num)))
-        conn._give_back(conn._snapshot(pool, tokens, slots, None)[1])  # warm-up: compiles
+        conn._give_back(conn._snapshot(pool, tokens, slots, None)[2])  # warm-up: compiles
         t0 = time.perf_counter()
-        records, staging = conn._snapshot(pool, tokens, slots, None)
+        records, _, staging = conn._snapshot(pool, tokens, slots, None)
         snap_s = time.perf_counter() - t0
         per_shard: dict[str, int] = {}
         for r in records:
