@@ -26,8 +26,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import chex
 import jax
@@ -126,7 +127,27 @@ def assert_updated_in_place(before: list[tuple[int, ...]], pool) -> None:
 
 
 def traced_once(fn: F) -> F:
-    """`fn` that fails (`AssertionError`) when it is traced a second time: put it under
-    `jax.jit` to check that a step over pools of one shape compiles once (a pool's metadata
-    is static, so equal shapes share one program). `chex.assert_max_traces(fn, n=1)`."""
-    return chex.assert_max_traces(fn, n=1)
+    """`fn`, failing (`AssertionError`) when it is traced a second time: put it under `jax.jit`
+    to check that a step over pools of one shape compiles once (a pool's metadata is static,
+    so equal shapes and placements share one program).
+
+    Like `chex.assert_max_traces(fn, n=1)`, but counted per function object: chex counts per
+    source text, so a step defined inside a parametrized test would count the traces of every
+    parametrization together.
+    """
+    traces = 0
+
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        nonlocal traces
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            traces += 1
+            if traces > 1:
+                raise AssertionError(
+                    f"{fn.__name__} was traced {traces} times, expected once: an argument "
+                    "changed shape, dtype, placement or a static value"
+                )
+        return fn(*args, **kwargs)
+
+    return cast(F, counted)

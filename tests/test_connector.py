@@ -526,7 +526,7 @@ def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, tmp_p
     into memory a HostStore lends (nothing copied again), else into reused staging. Runs of
     blocks that are not adjacent, NaN payloads and every layer come back bit-exact, and no view
     outlives the store (the next donated update stays in place)."""
-    import jaxkv.connector.stores as stores_module
+    import jaxkv.connector.host as stores_module
     from jaxkv.connector import _transfers
 
     def no_device_gather(*args, **kwargs):

@@ -85,7 +85,7 @@ def _fill_lent(store: HostStore, count: int, value: float):
 def test_host_store_keeps_lent_memory_it_filled_without_a_copy(monkeypatch):
     """The connector copies CPU pool rows straight into memory the store lends: a record whose
     parts are those very arrays is kept as it is, read-only, with nothing copied."""
-    import jaxkv.connector.stores as stores_module
+    import jaxkv.connector.host as stores_module
 
     store = HostStore(1 << 12)
     records, reservation = _fill_lent(store, 2, 5.0)
