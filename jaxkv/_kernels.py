@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import types
 import warnings
 from collections.abc import Sequence
 
@@ -226,7 +227,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _caller_stacklevel() -> int:
     """The `stacklevel` that points a warning at the first frame outside jaxkv."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level
