@@ -437,6 +437,39 @@ def test_create_signatures_are_the_documented_ones(kv, pool_kind):
     assert [(p.name, p.default) for p in params] == CREATE_SIGNATURES[pool_kind]
 
 
+_TYPED_CALLS = """
+import jax.numpy as jnp
+import jaxkv
+
+reveal_type(jaxkv.MHAPool.create(size=8, head_num=1, head_dim=2, layer_num=1))
+reveal_type(jaxkv.KOnlyPool.create(size=8, head_num=1, head_dim=2, layer_num=1))
+reveal_type(jaxkv.MLAPool.create(size=8, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1))
+reveal_type(jaxkv.NSAPool.create(size=64, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1))
+jaxkv.MHAPool.create(size=8, head_num=1, head_dim=2)
+jaxkv.MLAPool.create(8, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1)
+"""
+
+
+@pytest.mark.slow
+def test_type_checkers_see_each_kind_s_create(tmp_path, monkeypatch):
+    """mypy reads `create` from the source: each kind's result type, and its documented
+    keyword-only arguments (a missing one, or a positional one, is an error)."""
+    api = pytest.importorskip("mypy.api")
+    monkeypatch.chdir(REPO)  # mypy finds the package under test first
+    script = tmp_path / "calls.py"
+    script.write_text(_TYPED_CALLS)
+    cache = str(tmp_path / "cache")
+    out, err, _ = api.run(
+        [str(script), "--follow-imports=silent", "--ignore-missing-imports", "--cache-dir", cache]
+    )
+    assert not err, err
+    for kind in ("MHAPool", "KOnlyPool", "MLAPool", "NSAPool"):
+        assert f'Revealed type is "jaxkv.pools.{kind}"' in out, out
+    assert 'has no attribute "create"' not in out, out
+    assert 'Missing named argument "layer_num"' in out, out
+    assert "Too many positional arguments" in out, out
+
+
 # ---- layer ids -------------------------------------------------------------------------------
 
 
