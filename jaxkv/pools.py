@@ -44,7 +44,7 @@ class _KeyedPool(PoolBase):
     """Pools whose K rows live in the buffer of part key `KEY_PART`; `set_k` and
     `get_key_buffer` are shared."""
 
-    KEY_PART: ClassVar[str] = "k"
+    KEY_PART: ClassVar[str]
 
     def get_key_buffer(self, layer_id: int) -> jax.Array:
         """The whole K buffer of `layer_id` (MLA/NSA: the latent rows), logical dtype."""
@@ -102,6 +102,7 @@ class _HeadPool(_KeyedPool):
     """Rows of `head_num` heads per token. Heads are independent, so a `sharding` may split
     the heads axis over a tensor-parallel mesh axis, as SGLang's ranks hold `head_num / tp`."""
 
+    KEY_PART = "k"
     head_num: int
     head_dim: int
     k_buffer: Layers = buffer(key="k", rows=lambda p: p.head_rows(p.head_dim), shard=HEADS)
@@ -153,7 +154,7 @@ class MHAPool(_HeadPool):
         """
         if v_head_dim is None:
             v_head_dim = head_dim
-        return cls._build(locals())
+        return cls._build(locals())  # every argument, by name
 
     def get_value_buffer(self, layer_id: int) -> jax.Array:
         return self.read("v", layer_id)
@@ -227,7 +228,7 @@ class KOnlyPool(_HeadPool):
             >>> len(pool.k_buffer), pool.k_buffer[0].shape, hasattr(pool, "v_buffer")
             (2, (12, 1, 16), False)
         """
-        return cls._build(locals())
+        return cls._build(locals())  # every argument, by name
 
     def get_value_buffer(self, layer_id: int):
         raise NotImplementedError(_NO_V_READ.format(cls=type(self).__name__, layer=layer_id))
@@ -367,7 +368,7 @@ class MLAPool(_LatentPool):
             >>> pool.kv_buffer[0].shape, pool.get_kv_size_bytes()
             ((5, 1, 10), 100)
         """
-        return cls._build(locals())
+        return cls._build(locals())  # every argument, by name
 
 
 class NSAPool(_LatentPool):
@@ -422,7 +423,7 @@ class NSAPool(_LatentPool):
             >>> pool.kv_buffer[0].shape, pool.index_k_with_scale_buffer[0].shape
             ((128, 1, 10), (2, 8448))
         """
-        return cls._build(locals())
+        return cls._build(locals())  # every argument, by name
 
     def check_sizes(self) -> None:
         if self.packed_fp8:
