@@ -4,6 +4,7 @@ jax starts)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -61,8 +62,10 @@ def child(quick: bool, sharded: tuple[int, int, int]) -> None:
     size, t, store_t = sharded
     mesh = jax.make_mesh((DEVICES,), ("tp",))
     heads = NamedSharding(mesh, PartitionSpec(None, "tp", None))
-    dims = dict(size=size, head_num=HEADS, head_dim=HEAD_DIM, layer_num=2)
-    pools = {"sharded": MHAPool.create(**dims, sharding=heads), "one": MHAPool.create(**dims)}
+    make = functools.partial(
+        MHAPool.create, size=size, head_num=HEADS, head_dim=HEAD_DIM, layer_num=2
+    )
+    pools = {"sharded": make(sharding=heads), "one": make()}
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((t, HEADS, HEAD_DIM)), jnp.bfloat16)
     loc = jnp.asarray(rng.permutation(np.arange(1, size + 1))[:t].astype(np.int32))

@@ -41,14 +41,12 @@ def _np_dtype(dtype) -> np.dtype:
 
 def _pool_maker(kind: str):
     """A factory of one-layer pools of `kind` and the row shapes of the values they take."""
+    head_rows = [(HEADS, HEAD_DIM)]
     if kind == "mha":
-        dims = dict(head_num=HEADS, head_dim=HEAD_DIM)
-        return functools.partial(MHAPool.create, **dims), [(HEADS, HEAD_DIM)] * 2
+        return functools.partial(MHAPool.create, head_num=HEADS, head_dim=HEAD_DIM), head_rows * 2
     if kind == "mla":
-        dims = dict(kv_lora_rank=512, qk_rope_head_dim=64)
-        return functools.partial(MLAPool.create, **dims), [(1, 576)]
-    dims = dict(head_num=HEADS, head_dim=HEAD_DIM)
-    return functools.partial(KOnlyPool.create, **dims), [(HEADS, HEAD_DIM)]
+        return functools.partial(MLAPool.create, kv_lora_rank=512, qk_rope_head_dim=64), [(1, 576)]
+    return functools.partial(KOnlyPool.create, head_num=HEADS, head_dim=HEAD_DIM), head_rows
 
 
 def update_cases(kind, dtype, size, t, *, naive, numpy_base, accel, rng):

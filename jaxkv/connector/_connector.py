@@ -269,14 +269,15 @@ class KVConnector:
             OSError: the store failed to answer, only when this connector or the store is
                 strict (otherwise the blocks it could not check count as missing).
         """
-        n, data = None, _hashing.token_bytes(token_ids)
+        data = _hashing.token_bytes(token_ids)
         first = self._first_block(start, len(data) // 4)
+        found = []  # per layout (one, or one per shard group): the run of blocks held
         with strict_scope(self.strict):
             for fingerprint in self._fingerprints():
                 digests = self._chain(data, salt, fingerprint)[first:]
                 held = self._held([d.hex() for d in digests], stop_at_miss=True)
-                got = held.index(False) if False in held else len(held)
-                n = got if n is None else min(n, got)
+                found.append(held.index(False) if False in held else len(held))
+        n = min(found)
         self._count("lookups")
         self._count("lookup_hits", n)
         self._count("lookup_misses", len(digests) - n)
@@ -764,6 +765,7 @@ class KVConnector:
     def _load_shards(self, view: PoolView, data: bytes, slots, salt, first: int):
         """`load` of a sharded pool: the blocks every shard of this process holds, written
         into each replica's shard on its own device, then the global buffers rebuilt."""
+        assert self._shards is not None  # the caller's branch
         groups = _shards.shard_views(self._shards, view)
         fetched = [self._fetch(g.layout, g.fingerprint, data, salt, first) for g, _ in groups]
         n_blocks = min(len(records) for records, _ in fetched)

@@ -44,6 +44,8 @@ from jaxkv.connector._staging import (
     JoinedStaging,
     Staging,
     StagingCache,
+    device_of,
+    dlpack_view,
     host_view,
     pinned_device,
     to_host,
@@ -119,7 +121,7 @@ class TransferPath:
         """The load staging for buffers like `like` (None: written outside XLA)."""
         if like is None or len(like.sharding.device_set) != 1:
             return "host", None
-        dev = next(iter(like.sharding.device_set))
+        dev = device_of(like)
         return ("xla", dev) if dev.platform == "cpu" else ("host", None)
 
     def give_back(self, snapshot: Snapshot) -> None:
@@ -152,7 +154,7 @@ class GatherPath(TransferPath):
             n_blocks * view.layout.layer_num * block_size * _row_bytes(p) for p in view.layout.parts
         )
         arrays = view.arrays()
-        platform = next(iter(arrays[0][0].sharding.device_set)).platform
+        platform = device_of(arrays[0][0]).platform
         if largest <= self.stack_above_bytes or platform != "cpu":
             return super().snapshot(view, slots, block_size, store)
         codecs = tuple(p.codec for p in view.layout.parts)
@@ -266,12 +268,12 @@ class PinnedPath(TransferPath):
         return [DeviceStaging(tuple(per_layer)) for per_layer in layers]
 
     def _staging_kind(self, like):
-        return "pinned", next(iter(like.sharding.device_set))
+        return "pinned", device_of(like)
 
 
 def _device(arrays) -> jax.Device:
     """The one device of a view's (single-device) buffers."""
-    return next(iter(arrays[0][0].sharding.device_set))
+    return device_of(arrays[0][0])
 
 
 class ForeignHostPath(TransferPath):
@@ -343,9 +345,10 @@ def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[st
         jax.block_until_ready(staged)  # the snapshot is complete when this returns
         out.update({p.key: to_host(x) for p, x in zip(device_parts, staged)})
     for p in view.layout.parts:
-        if host[p.key] is not None:
+        layers = host[p.key]
+        if layers is not None:
             out[p.key] = _foreign.read_blocks(
-                host[p.key], p.codec, slots, block_size, p.row_shape, p.bits_dtype
+                layers, p.codec, slots, block_size, p.row_shape, p.bits_dtype
             )
     return {p.key: out[p.key] for p in view.layout.parts}
 
@@ -354,7 +357,7 @@ def _row_bytes(part) -> int:
     return int(np.prod(part.row_shape)) * part.bits_dtype.itemsize
 
 
-def _cpu_layers(view: PoolView) -> list[list[jax.Array]] | None:
+def _cpu_layers(view: PoolView) -> tuple[tuple[jax.Array, ...], ...] | None:
     """The layer buffers of every part when each is a jax array on one CPU device holding its
     part's bits, every codec token-major: the blocks can then be copied with numpy from
     zero-copy views. None otherwise."""
@@ -365,14 +368,14 @@ def _cpu_layers(view: PoolView) -> list[list[jax.Array]] | None:
     for part, bufs in zip(view.layout.parts, arrays):
         for b in bufs:
             devices = b.sharding.device_set
-            if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+            if len(devices) != 1 or device_of(b).platform != "cpu":
                 return None
             if b.dtype != part.bits_dtype:
                 return None
     return arrays
 
 
-def _copy_blocks(layers: list[jax.Array], starts: np.ndarray, block_size: int, out: np.ndarray):
+def _copy_blocks(layers: Sequence[jax.Array], starts: np.ndarray, block_size: int, out: np.ndarray):
     """`out[b, l] = layers[l][starts[b] : starts[b] + block_size]` through numpy views of the
     layer buffers (every start in range: the connector checked the slots). Blocks that follow
     each other in the buffer move as one copy per layer. The caller has waited for the
@@ -384,7 +387,7 @@ def _copy_blocks(layers: list[jax.Array], starts: np.ndarray, block_size: int, o
     for li, buf in enumerate(layers):
         # A temporary view: no reference to the pool's memory outlives this call (a live
         # export would turn the pool's next donated update into a copy).
-        src = np.from_dlpack(buf)
+        src = dlpack_view(buf)
         for a, b, row in runs:
             rows = src[row : row + (b - a) * block_size]
             out[a:b, li] = rows.reshape(b - a, block_size, *src.shape[1:])

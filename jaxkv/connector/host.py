@@ -95,7 +95,8 @@ class _Slot:
 
     def __init__(self, chunk: _Chunk, offset: int, size: int):
         self.chunk, self.offset, self.size = chunk, offset, size
-        self.base = np.frombuffer(chunk.mem, np.uint8, count=size, offset=offset)
+        # None once released: the arena bytes belong to the chunk's free list again.
+        self.base: np.ndarray | None = np.frombuffer(chunk.mem, np.uint8, count=size, offset=offset)
 
     def unheld(self) -> bool:
         # 2 = the `base` attribute + getrefcount's argument: no part view is alive.
@@ -294,7 +295,7 @@ class HostStore(BlockStore):
 
     def _adopt(self, record: BlockRecord) -> Segment | None:
         """Keeps `record` in its own segment's memory when it is one; None: copy it."""
-        if not is_block_of(record):
+        if record.source is None or not is_block_of(record):
             return None
         segment = record.source[0]
         entry = self._segments.get(id(segment))
@@ -338,7 +339,7 @@ class HostStore(BlockStore):
 
     def _take(self, chunk: _Chunk | None, size: int) -> _Slot | None:
         offset = None if chunk is None else chunk.take(size)
-        if offset is None:
+        if chunk is None or offset is None:
             return None
         self._loose -= size
         return _Slot(chunk, offset, size)
@@ -442,9 +443,11 @@ def _parts_in(slot: _Slot, parts: Mapping[str, tuple[tuple[int, ...], np.dtype]]
     """Arrays of `parts` (name -> shape, dtype) laid one after another in `slot`, each at a
     rounded offset: how `put` lays out a copied record and `lend` a lent one."""
     out, offset = {}, 0
+    base = slot.base
+    assert base is not None, "a released slot holds no record"
     for name, (shape, dtype) in parts.items():
         nbytes = _nbytes(shape, dtype)
-        out[name] = slot.base[offset : offset + nbytes].view(dtype).reshape(shape)
+        out[name] = base[offset : offset + nbytes].view(dtype).reshape(shape)
         offset += _round_up(nbytes)
     return out
 

@@ -134,7 +134,7 @@ class BlockStore(abc.ABC):
         self._count("io_errors")
         self._failures.note(kind, err)
         if (self.strict or _STRICT.get()) and not _TIDYING.get():
-            err.jaxkv_counted = True  # so that the connector does not count it again
+            err.jaxkv_counted = True  # type: ignore[attr-defined]  # read back with getattr
             raise err
 
     def stats(self) -> dict[str, int]:
@@ -324,7 +324,7 @@ class BlockStore(abc.ABC):
             for record in records:
                 written.append(self.put(record))
         except Exception as err:
-            err.jaxkv_written = written
+            err.jaxkv_written = written  # type: ignore[attr-defined]  # read back with getattr
             raise
         return written
 

@@ -231,7 +231,7 @@ class TieredStore(BlockStore):
                 finally:
                     stored[: len(answers)] = [a or b for a, b in zip(stored, answers)]
         except Exception as err:
-            err.jaxkv_written = stored
+            err.jaxkv_written = stored  # type: ignore[attr-defined]  # read back with getattr
             raise
         finally:
             with self._lock:

@@ -344,7 +344,7 @@ class Engine:
         self.steps = steps_for(model)
         self._setup_seconds = 0.0
         self._table_sizes: set[int] = set()
-        self.stats = dict.fromkeys(
+        self.stats: dict[str, float] = dict.fromkeys(
             (
                 "prompt_tokens",
                 "reused_tokens",
@@ -423,7 +423,7 @@ class Engine:
                     if requests[i].arrival > it:
                         break
                     arrived.setdefault(i, now)
-                admit = []
+                admit: list[int] = []
                 while (
                     waiting
                     and requests[waiting[0]].arrival <= it
