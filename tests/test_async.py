@@ -127,7 +127,7 @@ def test_lookup_counts_and_load_waits_for_blocks_in_flight(monkeypatch):
     assert conn.lookup(TOKENS) == 64  # promised: being written
     assert conn.stats()["pending_blocks"] == 4
     # The load starts while the first block is still held, so it must wait instead of missing.
-    waits = Arrivals(conn, "_wait_pending", monkeypatch)
+    waits = Arrivals(conn._writes, "wait_for", monkeypatch)
     loader, out = _in_thread(lambda: conn.load(pool, TOKENS, SLOTS + 100))
     waits.wait_for(1)
     assert loader.is_alive() and not future.done()
@@ -145,7 +145,7 @@ def test_flush_waits_for_every_pending_write_and_max_pending_bounds_the_queue(mo
     pool = _pool()
     store = GatedStore(1 << 22)
     conn = KVConnector(pool, store, max_pending=1)
-    rooms = Arrivals(conn._room, "acquire", monkeypatch)
+    rooms = Arrivals(conn._writes._room, "acquire", monkeypatch)
     first = conn.store_async(pool, TOKENS, SLOTS)
     # The second call waits for room behind `first`, held at the gate: it returns only after
     # all of `first`'s 4 blocks are written (its own stay held).
