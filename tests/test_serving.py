@@ -1,4 +1,5 @@
-"""The serving loop over jaxkv: prefix reuse, no retracing, in-place pools, the demo program."""
+"""The serving loop over jaxkv: prefix reuse (device and store), no retracing, in-place pools,
+all or nothing under failures, the demo program."""
 
 import io
 import textwrap
@@ -11,7 +12,7 @@ import pytest
 from conftest import SMALL_DECODER as SMALL
 from conftest import run_python
 
-from jaxkv import PagedAllocator, ReqToTokenPool, demo
+from jaxkv import PagedAllocator, RadixCache, ReqToTokenPool, demo
 from jaxkv.connector import DiskStore, HostStore, KVConnector
 from jaxkv.models import (
     LOGIT_BOUNDS,
@@ -26,6 +27,8 @@ from jaxkv.models import (
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.dtype(jnp.bfloat16)
 ENGINE = dict(pool_size=1024, page_size=16, max_batch=4, max_context=128)
+# The uncached reference: every prompt prefilled in full.
+PLAIN = {**ENGINE, "prefix_cache": False}
 
 
 def small_model(attention="gqa"):
@@ -51,23 +54,139 @@ def pointers(pool):
     return [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(pool)]
 
 
+def assert_same_outputs(want, got, dtype=BF16):
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=LOGIT_BOUNDS[dtype])
+
+
+def sources(results):
+    """Where each request's prompt K/V came from: (device, store, computed) tokens."""
+    return [(r.device_tokens, r.reused_tokens, r.computed_tokens) for r in results]
+
+
+def assert_holds_only_the_tree(engine):
+    """Between calls no request holds anything: every slot taken is the prefix cache's, and
+    none is locked (a slot both free and cached, or held by nobody, breaks the sum)."""
+    tree = engine.tree_cache
+    assert engine.allocator.available_size() + tree.total_size() == engine.allocator.size
+    assert tree.protected_size() == 0
+
+
 @pytest.mark.parametrize("attention", ["gqa", "mla"])
 def test_prefix_reuse_from_host_store_equals_no_reuse(attention):
     model, params = small_model(attention)
     requests = shared_prefix_requests()
-    plain = Engine(model, params, **ENGINE).generate(requests)
-    engine = Engine(model, params, store=HostStore(1 << 26), **ENGINE)
+    plain = Engine(model, params, **PLAIN).generate(requests)
+    assert sources(plain) == [(0, 0, len(r.prompt)) for r in requests]
+    engine = Engine(model, params, store=HostStore(1 << 26), **PLAIN)
     reused = engine.generate(requests)
-    for a, b in zip(plain, reused):
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=LOGIT_BOUNDS[BF16])
+    assert_same_outputs(plain, reused)
     # The first request computed the prefix and offloaded it; the others loaded its 4 full
     # blocks (64 of the 70 shared tokens) and prefilled only the rest.
     assert [r.reused_tokens for r in reused] == [0, 64, 64, 64]
+    assert [r.device_tokens for r in reused] == [0, 0, 0, 0]
     stats = engine.connector.stats()
     assert stats["blocks_stored"] > 0 and stats["blocks_loaded"] == 12
     assert engine.stats["prefill_tokens"] == engine.stats["prompt_tokens"] - 3 * 64
+    assert engine.tree_cache is None
     engine.close()
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_prefix_reuse_from_the_device_equals_no_reuse(attention):
+    model, params = small_model(attention)
+    requests = shared_prefix_requests()
+    plain = Engine(model, params, **PLAIN).generate(requests)
+    engine = Engine(model, params, store=HostStore(1 << 26), **ENGINE)
+    got = engine.generate(requests)
+    assert_same_outputs(plain, got)
+    # The first request's prompt pages joined the prefix cache after its prefill: the others,
+    # arriving while it decodes, read its 4 full pages (64 of the 70 shared tokens) in place.
+    assert sources(got) == [(0, 0, 75), (64, 0, 18), (64, 0, 7), (64, 0, 36)]
+    assert engine.connector.stats()["blocks_loaded"] == 0
+    s = engine.stats
+    assert (s["device_tokens"], s["reused_tokens"]) == (3 * 64, 0)
+    assert s["prefill_tokens"] == s["prompt_tokens"] - 3 * 64
+    assert_holds_only_the_tree(engine)
+    # Served again: every prompt's cached pages (generated tokens' included) are found.
+    again = engine.generate(requests)
+    assert_same_outputs(plain, again)
+    assert [d for d, _, _ in sources(again)] == [64, 80, 64, 96]
+    assert_holds_only_the_tree(engine)
+    engine.close()
+
+
+def test_a_device_hit_reads_the_cached_slots_in_place():
+    model, params = small_model()
+    engine = Engine(model, params, **ENGINE)
+    first, second = shared_prefix_requests(seed=3)[:2]
+    engine.generate([Request(first.prompt, 2)])
+    cached = engine.tree_cache.match_prefix(second.prompt[:64]).slots
+    assert cached.size == 64
+    rows = []
+
+    def peek(n):  # while the second request runs: its row and what the allocator handed out
+        rows.append(
+            (np.asarray(engine.req_to_token.req_to_token), engine.allocator.available_size())
+        )
+
+    free, before = engine.allocator.available_size(), np.asarray(engine.req_to_token.req_to_token)
+    [got] = engine.generate([Request(second.prompt, 2)], on_token=peek)
+    table, free_while_running = rows[0]
+    [row] = table[np.any(table != before, axis=1)]  # the one row the second request wrote
+    # The row starts with the tree's own slots (no copy), and only the suffix got new pages.
+    np.testing.assert_array_equal(row[:64], cached)
+    assert free - free_while_running == 16 * -(-(len(second.prompt) - 64) // 16)
+    assert got.device_tokens == 64
+    [want] = Engine(model, params, **PLAIN).generate([Request(second.prompt, 2)])
+    assert_same_outputs([want], [got])
+
+
+def test_requests_prefilled_together_share_the_pages_they_both_computed():
+    model, params = small_model()
+    prompt = np.random.default_rng(8).integers(0, 256, 48).astype(np.int32)
+    requests = [Request(prompt, 3), Request(prompt.copy(), 3)]
+    engine = Engine(model, params, **ENGINE)
+    got = engine.generate(requests)
+    # Both computed the same 3 pages; after the prefill the second's row points at the first's
+    # (its own copies freed), so the tree holds them once.
+    assert sources(got) == [(0, 0, 48), (0, 0, 48)]
+    assert engine.tree_cache.total_size() == 48
+    assert_holds_only_the_tree(engine)
+    assert_same_outputs(Engine(model, params, **PLAIN).generate(requests), got)
+
+
+def test_a_short_pool_evicts_from_the_tree_and_writes_back_to_the_store():
+    model, params = small_model()
+    rng = np.random.default_rng(12)
+    kw = {**ENGINE, "pool_size": 128}
+    engine = Engine(model, params, store=HostStore(1 << 26), **kw)
+    # 20 prompt tokens and 30 generated: 48 tokens with K/V in 3 full pages, of which only
+    # the prompt's first block was offloaded after the prefill.
+    a = Request(rng.integers(0, 256, 20).astype(np.int32), 30)
+    [got_a] = engine.generate([a])
+    assert engine.tree_cache.total_size() == 48
+    # A 100-token prompt with 20 new tokens needs 8 pages: the tree gives up a's, which go
+    # to the store first.
+    b = Request(rng.integers(0, 256, 100).astype(np.int32), 20)
+    [got_b] = engine.generate([b])
+    assert engine.stats["evicted_tokens"] >= 48
+    # a's prompt and output, served again: its first 48 tokens come back from the store,
+    # generated tokens included.
+    follow = Request(np.concatenate([a.prompt, got_a.tokens[:29]]).astype(np.int32), 3)
+    [got] = engine.generate([follow])
+    assert (got.device_tokens, got.reused_tokens) == (0, 48)
+    assert_holds_only_the_tree(engine)
+    plain = Engine(model, params, **{**kw, "prefix_cache": False})
+    assert_same_outputs(plain.generate([a, b, follow]), [got_a, got_b, got])
+    engine.close()
+
+
+def test_prefix_cache_must_be_a_bool():
+    model, params = small_model()
+    with pytest.raises(TypeError, match="prefix_cache: expected a bool, got str 'yes'"):
+        Engine(model, params, prefix_cache="yes", **ENGINE)
 
 
 @pytest.mark.slow  # a second interpreter; the whole demo twice
@@ -92,12 +211,14 @@ def test_prefix_reuse_from_a_disk_store_left_by_an_earlier_process(tmp_path):
 
     model, params = small_model()
     requests = shared_prefix_requests()
-    plain = Engine(model, params, **ENGINE).generate(requests)
+    plain = Engine(model, params, **PLAIN).generate(requests)
     engine = Engine(model, params, store=DiskStore(tmp_path), **ENGINE)
     reused = engine.generate(requests)
     engine.close()
-    # This process never computed the prefix: even the first request loads it from disk.
-    assert [r.reused_tokens for r in reused] == [64, 64, 64, 64]
+    # This process never computed the prefix: even the first request loads it from disk, and
+    # the others find those blocks on the device.
+    assert [r.reused_tokens for r in reused] == [64, 0, 0, 0]
+    assert [r.device_tokens for r in reused] == [0, 64, 64, 64]
     for a, b in zip(plain, reused):
         np.testing.assert_array_equal(a.tokens, b.tokens)
 
@@ -131,11 +252,20 @@ def test_decode_does_not_retrace_as_requests_come_and_go():
     assert engine.stats["decode_steps"] > steps + 10
 
 
-def test_serving_steps_keep_the_pool_in_place():
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_serving_steps_keep_the_pool_in_place(prefix_cache):
     model, params = small_model("mla")
-    engine = Engine(model, params, store=HostStore(1 << 26), **ENGINE)
+    engine = Engine(
+        model, params, store=HostStore(1 << 26), **{**ENGINE, "prefix_cache": prefix_cache}
+    )
     before = pointers(engine.pool)
-    engine.generate(shared_prefix_requests(seed=4))
+    requests = shared_prefix_requests(seed=4)
+    engine.generate(requests)
+    if prefix_cache:  # the device gives up the prefix: the next call loads it back
+        tree = engine.tree_cache
+        assert engine.stats["device_tokens"] > 0
+        tree.evict(tree.evictable_size(), pool=engine.pool)
+        engine.generate(requests[:1])
     # Prefill, decode and the connector's loads all wrote into the same buffers.
     assert pointers(engine.pool) == before
     assert engine.stats["decode_steps"] > 0 and engine.stats["reused_tokens"] > 0
@@ -170,15 +300,17 @@ def test_engine_rejects_tiny_pools():
     # 32 prompt tokens fill both pages; the first decode token needs a third.
     with pytest.raises(RuntimeError, match="no page left for 1 decoding requests"):
         tiny.generate([Request(np.zeros(32, np.int32), 3)])
-    # The failed call gave its slots and row back: the engine still serves.
-    assert tiny.allocator.available_size() == 32
+    # The failed call gave its slots, lock and row back (its prompt's pages stay cached,
+    # evictable): the engine still serves.
+    assert tiny.allocator.available_size() + tiny.tree_cache.evictable_size() == 32
+    assert_holds_only_the_tree(tiny)
     assert len(tiny.generate([Request(np.zeros(20, np.int32), 2)])[0].tokens) == 2
 
 
 def test_requests_beyond_the_batch_wait_and_get_the_same_tokens():
     model, params = small_model()
     requests = shared_prefix_requests(seed=9, new_tokens=3)
-    wide = Engine(model, params, **ENGINE).generate(requests)
+    wide = Engine(model, params, **PLAIN).generate(requests)
     narrow = Engine(model, params, **{**ENGINE, "max_batch": 2}).generate(requests)
     for a, b in zip(wide, narrow):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -222,12 +354,15 @@ def test_progress_bar_only_on_a_terminal():
 def test_fp8_pool_serves_with_reuse():
     model, params = small_model("gqa")
     requests = shared_prefix_requests(seed=11)
-    kw = {**ENGINE, "dtype": jnp.float8_e4m3fn}
+    kw = {**PLAIN, "dtype": jnp.float8_e4m3fn}
     plain = Engine(model, params, **kw).generate(requests)
     reused = Engine(model, params, store=HostStore(1 << 26), **kw).generate(requests)
     assert [r.reused_tokens for r in reused] == [0, 64, 64, 64]
-    for a, b in zip(plain, reused):
+    on_device = Engine(model, params, **{**kw, "prefix_cache": True}).generate(requests)
+    assert [r.device_tokens for r in on_device] == [0, 64, 64, 64]
+    for a, b, c in zip(plain, reused, on_device):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.tokens, c.tokens)
 
 
 def test_readme_model_walkthrough_runs():
@@ -297,37 +432,80 @@ def test_engines_with_other_weights_never_reuse_each_others_kv():
 # All or nothing: a refused or failed generate takes nothing and breaks nothing
 
 
+def _scenario() -> list[Request]:
+    """Every step of a request's service, in a pool of 12 pages that the prefix cache fills:
+
+    1. Two prompts sharing a 70-token prefix, prefilled together: the first loads the prefix's
+       4 stored blocks, the second finds them on the device and loads one block more. Two
+       equal 80-token prompts join while they decode, both find the prefix on the device and
+       compute their fifth page; the second's copy of it is freed after the prefill.
+    2. A 100-token prompt loads 6 stored blocks after the tree gives up room.
+    3. A 40-token prompt loads 2 blocks, then the tree gives up the prefix for its last page.
+
+    Run after run, from any state, phase 1 needs 10 of the 12 pages and evicts what came
+    before it, so every run makes the same calls; and the tree ends holding the last two
+    prompts, which the next run's phase 1 evicts (with the store as the tier below, written
+    back).
+    """
+    rng = np.random.default_rng(6)
+    shared = rng.integers(0, 256, 70)
+    long = np.concatenate([shared, rng.integers(0, 256, 10)]).astype(np.int32)
+    prompts = [np.concatenate([shared, rng.integers(0, 256, n)]) for n in (5, 12)]
+    prompts += [long, long.copy(), rng.integers(0, 256, 100), rng.integers(0, 256, 40)]
+    arrivals = (0, 0, 1, 1, 3, 5)
+    return [Request(p.astype(np.int32), 3, arrival=a) for p, a in zip(prompts, arrivals)]
+
+
+SCENARIO = _scenario()
+# Where each prompt's K/V comes from in that scenario: (device, store, computed) tokens.
+SOURCES = [(0, 64, 11), (64, 16, 2), (64, 0, 16), (64, 0, 16), (0, 96, 4), (0, 32, 8)]
+SCENARIO_ENGINE = {**ENGINE, "pool_size": 12 * 16}
+
+
 @pytest.fixture(scope="module")
 def served():
-    """One engine with a store that already holds every prompt of `SCENARIO`, and what a
-    fresh engine over that store returns for it."""
+    """One engine whose store holds every prompt of `SCENARIO` and whose prefix cache holds
+    what a run of it leaves, and what a fresh engine over that store returns for it."""
     model, params = small_model()
     store = HostStore(1 << 26)
-    engine = Engine(model, params, store=store, **ENGINE)
-    engine.generate(SCENARIO)
-    fresh = Engine(model, params, store=store, **ENGINE)
+    engine = Engine(model, params, store=store, **SCENARIO_ENGINE)
+    for _ in range(2):  # the first computes and stores; the second leaves a run's state
+        engine.generate(SCENARIO)
+    fresh = Engine(model, params, store=store, **SCENARIO_ENGINE)
     want = fresh.generate(SCENARIO)
     fresh.close()
     yield engine, want
     engine.close()
 
 
-# Two requests prefilled together, a third joining while they decode; every prompt reuses.
-SCENARIO = [
-    Request(r.prompt, 3, arrival=a) for r, a in zip(shared_prefix_requests(seed=6), (0, 0, 1))
-]
-
-
 def held(engine):
-    return engine.allocator.available_size(), engine.req_to_token.available_size()
+    """What the engine has to give: free plus evictable tokens (the prefix cache's unlocked
+    pages are as good as free), locked tokens and free rows; and, between calls, nothing is
+    held but the tree."""
+    assert_holds_only_the_tree(engine)
+    tree = engine.tree_cache
+    free = engine.allocator.available_size() + tree.evictable_size()
+    return free, tree.protected_size(), engine.req_to_token.available_size()
 
 
 def assert_serves_like_a_fresh_engine(engine, want):
     got = engine.generate(SCENARIO)
-    assert [r.reused_tokens for r in got] == [r.reused_tokens for r in want]
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=LOGIT_BOUNDS[BF16])
+    # Where a prefix comes from depends on what the tree holds (a failed call may have left
+    # more there, or emptied it with a lost pool); how much is not computed does not.
+    assert [d + r for d, r, _ in sources(got)] == [d + r for d, r, _ in sources(want)]
+    assert_same_outputs(want, got)
+
+
+def test_the_fault_scenario_reuses_from_the_device_and_the_store_and_evicts(served):
+    engine, want = served
+    assert sources(want) == SOURCES
+    evicted = engine.stats["evicted_tokens"]
+    got = engine.generate(SCENARIO)
+    assert sources(got) == SOURCES
+    assert engine.stats["evicted_tokens"] > evicted
+    assert_same_outputs(want, got)
+    model, params = small_model()
+    assert_same_outputs(Engine(model, params, **PLAIN).generate(SCENARIO), got)
 
 
 @pytest.mark.parametrize(
@@ -378,9 +556,22 @@ FAULTS = [
     (KVConnector, "load", "before"),
     (KVConnector, "load", "after"),
     (KVConnector, "store_async", "before"),
+    (KVConnector, "store", "before"),
     (CompiledSteps, "__call__", "before"),
     (CompiledSteps, "__call__", "after"),
     (PagedAllocator, "alloc_decode", "before"),
+    # The prefix cache's calls. Each is all or nothing itself, so a failure is one before it
+    # changes anything; a lock taken that then failed is no failure mode of it. `load_back`
+    # donates the pool, `evict` frees slots: both can also fail after doing so.
+    (RadixCache, "match_prefix", "before"),
+    (RadixCache, "match_prefix", "after"),
+    (RadixCache, "inc_lock_ref", "before"),
+    (RadixCache, "dec_lock_ref", "before"),
+    (RadixCache, "load_back", "before"),
+    (RadixCache, "load_back", "after"),
+    (RadixCache, "insert", "before"),
+    (RadixCache, "evict", "before"),
+    (RadixCache, "evict", "after"),
 ]
 
 
@@ -433,6 +624,8 @@ def test_a_strict_store_that_cannot_read_fails_the_call_and_nothing_else():
     store = Unreadable(1 << 26)
     engine = Engine(model, params, store=store, **ENGINE)
     engine.generate(SCENARIO[:1])  # computes and stores the prompt's blocks
+    tree = engine.tree_cache
+    tree.evict(tree.evictable_size(), pool=engine.pool)  # the device no longer holds them
     before = held(engine)
     for _ in range(2):  # the second call finds the engine as the first left it
         with pytest.raises(OSError, match="disk gone"):

@@ -4,13 +4,19 @@ The loop is what a JAX serving stack does around its model, cut to the parts tha
 cache:
 
 * slots come from a `PagedAllocator` (`alloc_extend` for prompts, `alloc_decode` for each new
-  token) and go back with `free` when a request finishes;
+  token);
 * each request owns a row of a `ReqToTokenPool`; the step reads its context through that row;
 * the step (`Decoder.step`) is compiled per bucket of (batch, new tokens, context) with the
   pool donated, so writes are in place and decode does not retrace as requests come and go;
+* a `RadixCache` keeps the KV of earlier requests on the device, as SGLang's scheduler does:
+  a prompt is matched in it first and its row points at the shared slots (no copy), locked
+  while the request runs; after its prefill the prompt's pages join the tree, and when the
+  request finishes so do its generated tokens' (the slots the tree held already go back to
+  the allocator); when the allocator is short, the tree evicts its least recently used
+  prefixes (writing them to the store first, when there is one);
 * with a store, every prompt's full blocks are offloaded with `KVConnector.store_async` after
-  its prefill, and a later prompt that starts the same way `lookup`s and `load`s those blocks
-  into fresh slots and prefills only the rest.
+  its prefill, and a prompt whose prefix the device no longer holds loads the stored blocks
+  after its device match (`RadixCache.load_back`) and prefills only the rest.
 
 Example:
     >>> from jaxkv.models import Decoder, DecoderConfig
@@ -35,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxkv import PagedAllocator, ReqToTokenPool
+from jaxkv import PagedAllocator, RadixCache, ReqToTokenPool
 from jaxkv._checks import is_int
 from jaxkv.connector import BlockStore, KVConnector
 from jaxkv.errors import ConsumedPoolError
@@ -136,17 +142,26 @@ class Request:
 class Result:
     """What one request got.
 
+    The prompt's tokens are counted once each, by where their KV came from:
+    `device_tokens + reused_tokens + computed_tokens == len(prompt)`.
+
     Attributes:
         tokens: generated token ids `(n,)`.
         logits: float32 `(n, vocab)`, the logits each token was chosen from (greedy).
         ttft_s: seconds from arrival to the first token, XLA compilation excluded.
-        reused_tokens: prompt tokens loaded from the store instead of computed.
+        reused_tokens: prompt tokens loaded from the store instead of computed (store hits).
+        device_tokens: prompt tokens found in the engine's prefix cache on the device (device
+            hits: read in place, neither loaded nor computed).
+        computed_tokens: prompt tokens prefilled (misses); at least the last prompt token,
+            whose logits start the generation.
     """
 
     tokens: np.ndarray
     logits: np.ndarray
     ttft_s: float
     reused_tokens: int
+    device_tokens: int = 0
+    computed_tokens: int = 0
 
 
 class CompiledSteps:
@@ -205,6 +220,9 @@ def steps_for(model: Decoder) -> CompiledSteps:
     return _STEPS[model.cfg]
 
 
+_NO_SLOTS = np.zeros(0, np.int64)
+
+
 def _checked(i: int, r: Request, vocab: int, max_context: int) -> Request:
     """`requests[i]` checked whole, as the engine serves it (an int32 prompt, int sizes), or
     the error naming its field, what was expected and what came. Nothing is converted that
@@ -250,19 +268,27 @@ def _checked(i: int, r: Request, vocab: int, max_context: int) -> Request:
     return Request(prompt.astype(np.int32), m, int(r.arrival))
 
 
-_NO_SLOTS = np.zeros(0, np.int64)
-
-
 @dataclasses.dataclass
 class _Live:
-    """A request being served."""
+    """A request being served, and what it holds, kept exact after every call that changes it
+    so that `Engine._release` gives back exactly that whenever a call fails.
+
+    `slots` is the request's row: the slot of each of its tokens with K/V, in token order.
+    Its first `cached` slots are the prefix cache's, protected by the handles in `locks`; of
+    the rest, the request holds `owned` (every slot it must free, which is not always a tail
+    of `slots`: see `Engine._cache_prompt`). `row` is -1 once given back.
+    """
 
     index: int
     req: Request
     row: int
-    slots: np.ndarray  # every slot the request holds, in token order
+    slots: np.ndarray
     seq_len: int = 0  # tokens whose K/V are in the pool
-    reused: int = 0
+    owned: np.ndarray = dataclasses.field(default_factory=lambda: _NO_SLOTS)
+    locks: list = dataclasses.field(default_factory=list)
+    cached: int = 0
+    device: int = 0  # prompt tokens found on the device
+    reused: int = 0  # prompt tokens loaded from the store
     arrived_at: float = 0.0
     ttft: float = 0.0
     tokens: list = dataclasses.field(default_factory=list)
@@ -273,36 +299,59 @@ class _Live:
         """The most tokens this request will ever hold in the cache."""
         return len(self.req.prompt) + self.req.max_new_tokens - 1
 
+    @property
+    def start(self) -> int:
+        """Prompt tokens whose K/V were in the pool before its prefill (device + store)."""
+        return self.device + self.reused
+
+    def kv_tokens(self) -> np.ndarray:
+        """The token ids of its `seq_len` tokens with K/V: the prompt, then every generated
+        token but the last (which no step has read yet)."""
+        prompt = self.req.prompt
+        extra = np.asarray(self.tokens[: self.seq_len - len(prompt)], np.int32)
+        return np.concatenate([prompt, extra])
+
 
 class Engine:
     """Serves `Request`s with a `Decoder` whose cache lives in one jaxkv pool.
 
+    With `prefix_cache` (the default) the KV of served requests stays on the device in a
+    `RadixCache` (`tree_cache`) until the allocator needs the room: a prompt is matched there
+    first and reads its cached prefix in place, then loads from the store what the device no
+    longer holds, then prefills the rest. A request's tree prefix is locked while it runs.
+
     Each `generate` is all or nothing per call: every request is checked before anything is
     allocated, and a call that fails anywhere (a request the pool cannot hold, a store that
-    raises, a failed step) gives back every row and slot it took, so the next call is served
-    as by a fresh engine.
+    raises, a failed step, a tree call) gives back every row, slot and lock it took, so the
+    next call is served as by a fresh engine (free plus evictable tokens are as before the
+    call; the tree may hold other prefixes, which only changes where KV comes from).
 
     Args:
         model: the decoder.
         params: its weights, fixed for the engine's life (the default namespace is derived
             from them once, at construction).
         pool_size: tokens the pool holds (a multiple of `page_size`).
-        page_size: tokens per page, for the pool and the allocator.
+        page_size: tokens per page, for the pool, the allocator and the prefix cache.
         dtype: the pool's dtype (bf16, fp8, ...); the model computes in float32.
         max_batch: requests served at once (rows of the request-to-token table).
         max_context: the longest prompt plus new tokens a request may have.
-        store: a `BlockStore` to offload prompt blocks to and reuse them from; `None` turns
-            prefix reuse off.
-        block_size: tokens per stored block (default: the connector's).
+        store: a `BlockStore` to offload prompt blocks to and reuse them from; `None`: no
+            store tier.
+        block_size: tokens per stored block (default: the connector's); with `prefix_cache`,
+            a multiple of `page_size`.
         namespace: the connector namespace, which must identify everything that determines
             the KV: the weights (checkpoint, fine-tune), not only the architecture, e.g.
             `namespace=f"llama3-8b@{checkpoint_sha}"`; two engines of one namespace reuse
             each other's blocks. By default it is derived from the config and
             `params_fingerprint(params)`, so engines with other weights never share a block.
         eos_id: a token that ends a request early (`None`: never).
+        prefix_cache: keep served requests' KV on the device in a `RadixCache` and reuse it
+            (`True`); `False` frees every request's slots when it finishes, so only the store
+            (if any) is reused.
 
     Raises:
-        ValueError: bad sizes (from the pool, the allocator or the connector).
+        ValueError: bad sizes (from the pool, the allocator, the connector or the prefix
+            cache).
         TypeError, ValueError: weights `params_fingerprint` cannot read, when it derives the
             namespace.
     """
@@ -321,7 +370,12 @@ class Engine:
         block_size: int | None = None,
         namespace: str | None = None,
         eos_id: int | None = None,
+        prefix_cache: bool = True,
     ):
+        if not isinstance(prefix_cache, bool):
+            raise TypeError(
+                f"prefix_cache: expected a bool, got {type(prefix_cache).__name__} {prefix_cache!r}"
+            )
         self.model = model
         self.params = params
         self._new_pool = functools.partial(
@@ -341,14 +395,18 @@ class Engine:
             self.connector = KVConnector(
                 self.pool, store, block_size=block_size, namespace=namespace
             )
+        self._prefix_cache = prefix_cache
+        self.tree_cache: RadixCache | None = self._new_tree()
         self.steps = steps_for(model)
         self._setup_seconds = 0.0
         self._table_sizes: set[int] = set()
         self.stats: dict[str, float] = dict.fromkeys(
             (
                 "prompt_tokens",
+                "device_tokens",
                 "reused_tokens",
                 "prefill_tokens",
+                "evicted_tokens",
                 "decode_tokens",
                 "decode_steps",
                 "prefill_seconds",
@@ -356,6 +414,13 @@ class Engine:
             ),
             0,
         )
+
+    def _new_tree(self) -> RadixCache | None:
+        """An empty prefix cache over the allocator; with a store, the pages it evicts are
+        stored first (`write_back`), so what leaves the device can be loaded back."""
+        if not self._prefix_cache:
+            return None
+        return RadixCache(self.allocator, connector=self.connector, write_policy="write_back")
 
     # ---- time ---------------------------------------------------------------------------
 
@@ -392,10 +457,11 @@ class Engine:
         step produced (for progress bars).
 
         All or nothing: every request is checked before anything is allocated, and on any
-        error every row and slot taken is given back (a pool a failed step had donated is
-        replaced by an empty one), so the engine serves the next call as a fresh one would.
-        Blocks already offloaded for prompts this call computed stay in the store (they are
-        correct KV).
+        error every row, slot and prefix-cache lock taken is given back (a pool a failed step
+        had donated is replaced by an empty one, and the prefix cache, whose KV was in it,
+        by an empty one too), so the engine serves the next call as a fresh one would.
+        Blocks already offloaded for prompts this call computed stay in the store, and
+        prefixes it cached stay in the prefix cache (they are correct KV).
 
         Raises:
             TypeError: a request is not a `Request`, its prompt is not integer token ids
@@ -448,8 +514,9 @@ class Engine:
                     running = self._retire(running, done)
                 it += 1
         except BaseException:
-            # Whatever failed (a store, a step, a request the pool cannot hold mid-decode, an
-            # interrupt): give every running request's slots and row back.
+            # Whatever failed (a store, a step, a tree call, a request the pool cannot hold
+            # mid-decode, an interrupt): give back what every running request holds. A
+            # request that finished before the failure holds nothing (`_release` is exact).
             for live in running:
                 self._release(live)
             self._replace_spent_buffers()
@@ -462,23 +529,39 @@ class Engine:
                 logits=np.stack(done[i].logits),
                 ttft_s=done[i].ttft,
                 reused_tokens=done[i].reused,
+                device_tokens=done[i].device,
+                computed_tokens=len(done[i].req.prompt) - done[i].start,
             )
             for i in range(len(requests))
         ]
 
     def _release(self, live: _Live) -> None:
-        """Gives back everything `live` holds: its slots and its row."""
-        self.allocator.free(live.slots)
-        self.req_to_token.free(live.row)
+        """Gives back everything `live` holds: its own slots, its locks on the prefix cache
+        and its row. Each is marked given back as soon as it is, so a second call gives back
+        only what a failed first one did not."""
+        if live.owned.size:
+            self.allocator.free(live.owned)
+            live.owned = _NO_SLOTS
+        while live.locks:
+            self.tree_cache.dec_lock_ref(live.locks[-1])
+            live.locks.pop()
+        if live.row >= 0:
+            self.req_to_token.free(live.row)
+            live.row = -1
 
     def _replace_spent_buffers(self) -> None:
         """After a failed call: a step or load that failed after its inputs were donated
         leaves the engine's pool (or table) deleted. Neither holds anything still needed
         (every request's slots and row were given back, and stored blocks live in the
-        store), so an empty one of the same shape takes its place."""
+        store), so an empty one of the same shape takes its place. The prefix cache's KV
+        was in the lost pool, so it is emptied too: with no request holding a slot, the
+        allocator holds only the tree's, and both start afresh."""
         pool = self.pool
         if pool.consumed or any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(pool)):
             self.pool = self._new_pool()
+            if self.tree_cache is not None:
+                self.allocator.clear()
+                self.tree_cache = self._new_tree()
         try:
             table = self.req_to_token.req_to_token
         except ConsumedPoolError:
@@ -492,21 +575,107 @@ class Engine:
         for live in running:
             last = live.tokens[-1]
             if len(live.tokens) >= live.req.max_new_tokens or last == self.eos_id:
-                self._release(live)
+                self._finish(live)
                 done[live.index] = live
             else:
                 keep.append(live)
         return keep
 
+    def _finish(self, live: _Live) -> None:
+        """Caches a finished request's tokens with K/V in the prefix cache and gives back the
+        rest, as SGLang's `cache_finished_req`: the tree takes the pages it did not hold;
+        the request frees its copies of those it did, and its partial last page."""
+        if self.tree_cache is not None:
+            n = live.seq_len
+            matched = self.tree_cache.insert(live.kv_tokens(), live.slots[:n])
+            self._took(live, matched, n // self.allocator.page_size * self.allocator.page_size)
+        self._release(live)
+
+    def _took(self, live: _Live, matched: int, aligned: int) -> None:
+        """Records that an `insert` of `live`'s first `aligned` tokens took its slots
+        `[matched, aligned)` (the tree held the first `matched` tokens already): the request
+        now holds its copies `[cached, matched)` and everything from `aligned` on."""
+        live.owned = np.concatenate([live.slots[live.cached : matched], live.slots[aligned:]])
+
+    # ---- the prefix cache ---------------------------------------------------------------
+
+    def _lock(self, live: _Live, node) -> None:
+        self.tree_cache.inc_lock_ref(node)
+        live.locks.append(node)
+
+    def _relock(self, live: _Live, node) -> None:
+        """Moves `live`'s locks to `node` (a handle of a longer prefix of its tokens): the
+        new lock is taken before the old ones go, so the prefix is never unprotected."""
+        old = list(live.locks)
+        self._lock(live, node)
+        for handle in old:
+            self.tree_cache.dec_lock_ref(handle)
+            live.locks.remove(handle)
+
+    def _match(self, live: _Live) -> None:
+        """Finds `live`'s prompt in the prefix cache and locks it, then loads from the store
+        the blocks after the device match that it holds (`load_back`, which caches them).
+
+        The last prompt token is left out of the match: its logits start the generation,
+        so it is always computed.
+        """
+        tree = self.tree_cache
+        head = live.req.prompt[:-1]
+        match = tree.match_prefix(head)
+        self._lock(live, match.node)
+        live.slots, live.cached = match.slots, len(match.slots)
+        live.device = live.cached
+        if match.stored_tokens:
+            # The pool is consumed by the load even when the call fails after it.
+            self.pool, longer = tree.load_back(self.pool, head, match)
+            if longer.node is not match.node:
+                self._relock(live, longer.node)
+                live.slots, live.cached = longer.slots, len(longer.slots)
+                live.reused = live.cached - live.device
+
+    def _make_room(self, tokens: int) -> None:
+        """Evicts from the prefix cache until `tokens` tokens are free, or all it can."""
+        short = tokens - self.allocator.available_size()
+        if short > 0 and self.tree_cache is not None and self.tree_cache.evictable_size():
+            self.stats["evicted_tokens"] += self.tree_cache.evict(short, pool=self.pool)
+
+    def _cache_prompt(self, live: _Live) -> None:
+        """After its prefill, puts `live`'s prompt pages into the prefix cache, so requests
+        arriving while it runs find them on the device (SGLang's `cache_unfinished_req`).
+
+        The tree takes the pages it does not hold; for those it held already (another
+        request cached them since this one was matched), the row is pointed at the tree's
+        slots and this request's copies are freed. The lock moves to the longer prefix.
+        """
+        page = self.allocator.page_size
+        prompt = live.req.prompt
+        aligned = len(prompt) // page * page
+        if aligned <= live.cached:
+            return
+        tree = self.tree_cache
+        matched = tree.insert(prompt[:aligned], live.slots[:aligned])
+        self._took(live, matched, aligned)
+        match = tree.match_prefix(prompt[:aligned])
+        self._relock(live, match.node)
+        copies = live.slots[live.cached : matched]
+        if copies.size:
+            self._write_table(live.row, live.cached, match.slots[live.cached : matched])
+        live.slots = np.concatenate([match.slots, live.slots[aligned:]])
+        live.cached = aligned
+        live.owned = live.slots[aligned:]
+        if copies.size:
+            self.allocator.free(copies)
+
     # ---- prefill ------------------------------------------------------------------------
 
     def _reuse(self, live: _Live) -> None:
-        """Loads the longest stored prefix of `live`'s prompt into fresh slots.
+        """Without a prefix cache: loads the longest stored prefix of `live`'s prompt into
+        fresh slots.
 
-        Sets `live.slots` to the slots taken (whole blocks) as soon as they are taken, so a
-        failed load gives them back with the row, and `live.reused` to the tokens loaded;
-        at least the last prompt token is always left to compute, since its logits start
-        the generation.
+        Sets `live.slots` and `live.owned` to the slots taken (whole blocks) as soon as they
+        are taken, so a failed load gives them back with the row, and `live.reused` to the
+        tokens loaded; at least the last prompt token is always left to compute, since its
+        logits start the generation.
         """
         if self.connector is None:
             return
@@ -518,13 +687,14 @@ class Engine:
         slots = self.allocator.alloc_extend([0], [hit], [-1])
         if slots is None:
             return
-        live.slots = slots
+        live.slots = live.owned = slots
         self.pool, live.reused = self.connector.load(self.pool, prompt[:hit], slots)
 
     def _admit(self, index: int, req: Request, arrived_at: float) -> _Live | None:
-        """Takes a row and the prompt's slots (its stored prefix loaded into them) and writes
-        them into the table; `None` (nothing taken) when the pool has no room for them.
-        All or nothing: a failure gives back what was taken before it is raised."""
+        """Takes a row and the prompt's slots (its cached prefix matched, its stored prefix
+        loaded) and writes them into the table; `None` (nothing held) when the pool has no
+        room for them even after evicting. All or nothing: a failure gives back what was
+        taken before it is raised."""
         rows = self.req_to_token.alloc(1)
         if rows is None:
             # `generate` admits no more requests than free rows, so someone else holds one.
@@ -534,14 +704,17 @@ class Engine:
             )
         live = _Live(index, req, rows[0], _NO_SLOTS, len(req.prompt), arrived_at=arrived_at)
         try:
-            self._reuse(live)
-            pre = live.slots
-            more = self.allocator.alloc_extend(
-                [len(pre)], [len(req.prompt)], [pre[-1] if len(pre) else -1]
-            )
+            if self.tree_cache is not None:
+                self._match(live)
+            else:
+                self._reuse(live)
+            pre, n, page = live.slots, len(req.prompt), self.allocator.page_size
+            self._make_room((-(-n // page) - -(-len(pre) // page)) * page)
+            more = self.allocator.alloc_extend([len(pre)], [n], [pre[-1] if len(pre) else -1])
             if more is None:
                 self._release(live)
                 return None
+            live.owned = np.concatenate([live.owned, more])
             live.slots = np.concatenate([pre, more])
             self._write_table(live.row, 0, live.slots)
         except BaseException:
@@ -552,8 +725,8 @@ class Engine:
     def _prefill(self, admitted, waiting: collections.deque) -> list[_Live]:
         """Prefills `admitted` `(index, request, arrival time)` together; requests whose
         slots do not fit go back to the front of `waiting`. On a failure every admitted
-        request's row and slots are given back (they are not running yet: nobody else
-        would)."""
+        request's row, slots and locks are given back (they are not running yet: nobody
+        else would)."""
         t0 = self._clock()
         lives, deferred = [], []
         try:
@@ -566,16 +739,16 @@ class Engine:
             if not lives:
                 waiting.extendleft(reversed(deferred))
                 return []
-            extend = [len(lv.req.prompt) - lv.reused for lv in lives]
+            extend = [len(lv.req.prompt) - lv.start for lv in lives]
             b, t = _batch_bucket(len(lives), self.max_batch), bucket(max(extend))
             ctx = min(bucket(max(lv.budget for lv in lives)), self.max_context)
             tokens = np.zeros((b, t), np.int32)
             loc = np.full((b, t), -1, np.int32)
             start, n_new, rows = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
             for i, lv in enumerate(lives):
-                tokens[i, : extend[i]] = lv.req.prompt[lv.reused :]
-                loc[i, : extend[i]] = lv.slots[lv.reused : len(lv.req.prompt)]
-                start[i], n_new[i], rows[i] = lv.reused, extend[i], lv.row
+                tokens[i, : extend[i]] = lv.req.prompt[lv.start :]
+                loc[i, : extend[i]] = lv.slots[lv.start : len(lv.req.prompt)]
+                start[i], n_new[i], rows[i] = lv.start, extend[i], lv.row
             logits, self.pool = self.steps(
                 self.params, self.pool, self.req_to_token.req_to_token, rows, tokens, start, n_new,
                 loc, ctx=ctx,
@@ -585,8 +758,10 @@ class Engine:
             for i, lv in enumerate(lives):
                 self._emit(lv, logits[i])
                 lv.ttft = now - lv.arrived_at
-            if self.connector is not None:
-                for lv in lives:
+            for lv in lives:
+                if self.tree_cache is not None:
+                    self._cache_prompt(lv)
+                if self.connector is not None:
                     n = len(lv.req.prompt)
                     self.connector.store_async(self.pool, lv.req.prompt, lv.slots[:n])
         except BaseException:
@@ -596,6 +771,7 @@ class Engine:
         waiting.extendleft(reversed(deferred))
         self.stats["prefill_seconds"] += now - t0
         self.stats["prompt_tokens"] += sum(len(lv.req.prompt) for lv in lives)
+        self.stats["device_tokens"] += sum(lv.device for lv in lives)
         self.stats["reused_tokens"] += sum(lv.reused for lv in lives)
         self.stats["prefill_tokens"] += sum(extend)
         return lives
@@ -611,6 +787,10 @@ class Engine:
         seq = np.array([lv.seq_len + 1 for lv in running])
         last = np.array([lv.slots[lv.seq_len - 1] for lv in running])
         new = self.allocator.alloc_decode(seq, last)
+        if new is None and self.tree_cache is not None:
+            page = self.allocator.page_size
+            self._make_room(page * int(np.sum((seq - 1) % page == 0)))  # new pages wanted
+            new = self.allocator.alloc_decode(seq, last)
         if new is None:
             raise RuntimeError(
                 f"pool too small: no page left for {len(running)} decoding requests "
@@ -619,6 +799,7 @@ class Engine:
         for i, lv in enumerate(running):
             # Held by its request from here on, so a failure below gives it back.
             lv.slots = np.append(lv.slots, new[i])
+            lv.owned = np.append(lv.owned, new[i])
         b = _batch_bucket(len(running), self.max_batch)
         ctx = min(bucket(max(lv.budget for lv in running)), self.max_context)
         tokens = np.zeros((b, 1), np.int32)
