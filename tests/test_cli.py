@@ -15,7 +15,7 @@ from redis_server import MISSING, LocalRedis
 
 from jaxkv import bench, demo
 from jaxkv.__main__ import main
-from jaxkv.bench import _allocators, _hashing, _plot, _remote, _targets, _updates
+from jaxkv.bench import _allocators, _hashing, _plot, _radix, _remote, _targets, _updates
 from jaxkv.models import DecoderConfig
 
 
@@ -99,11 +99,16 @@ def test_bench_runs_every_section_and_target_and_writes_well_formed_json(tmp_pat
         split, one = sharded["connector"]["sharded"], sharded["connector"]["one"]
         assert split["bytes_per_shard"] * 8 == one["bytes_per_shard"] == split["bytes_total"]
     assert res["machine"]["backend"] and res["machine"]["device_kind"]
-    assert res["serving"]["ttft"]["reused_tokens"] == bench.TINY.prefix
+    ttft = res["serving"]["ttft"]
+    assert ttft["reused_tokens"] == ttft["device_tokens"] == bench.TINY.prefix
+    assert all(ttft[k] > 0 for k in ("no reuse", "device hit", "bare step", "reuse from HostStore"))
     assert all(r["jaxkv per layer"] > 0 for r in res["serving"]["decode"])
-    # Updates: 5 targets on CPU, 4 on accelerators; connector 2; hashing 2; async 1; serving 2
-    # on CPU, 1 on accelerators (the decode step's floor is the host's).
-    assert len(res["targets"]) == (12 if cpu else 10)
+    radix = res["radix"]  # jaxkv's tree, and SGLang's where it imports
+    assert all(r["jaxkv ops/s"] > 0 for r in radix["rows"])
+    # Updates: 5 targets on CPU, 4 on accelerators; connector 2; hashing 2; async 1; serving 4
+    # on CPU, 3 on accelerators (the decode step's floor is the host's); the prefix cache 1
+    # where SGLang imports.
+    assert len(res["targets"]) == (14 if cpu else 12) + (radix["skipped"] is None)
     for target in res["targets"]:
         assert isinstance(target["value"], float) and target["value"] > 0, target
         value, limit = target["value"], target["limit"]
@@ -112,7 +117,26 @@ def test_bench_runs_every_section_and_target_and_writes_well_formed_json(tmp_pat
         verdict = "ok" if target["ok"] else "MISS"
         assert f"[{verdict}] {target['target']}: {value:.2f}" in printed
     titles = ("updates on", "connector (GB/s", "store tiers (", "hashing (", "allocators (")
+    titles += ("prefix cache (",)
     assert all(title in printed for title in titles + ("store_async:", "reference decoder"))
+
+
+def test_bench_prefix_cache_section_without_sglang_says_why(monkeypatch, capsys):
+    # Whether or not SGLang is installed here: the section measures jaxkv's tree alone and says
+    # why SGLang's rows are missing when its tree does not import.
+    monkeypatch.setattr(_radix, "_sglang", lambda: (None, "no SGLang in this test"))
+    setting = bench.Setting(bench.TINY, jax.default_backend())
+    res = _radix.measure(setting)
+    assert res["skipped"] == "no SGLang in this test"
+    assert {(r["shared"], r["page_size"]) for r in res["rows"]} == {
+        (s, p) for s in _radix.STREAMS for p in _radix.PAGES
+    }
+    for row in res["rows"]:
+        assert row["jaxkv ops/s"] > 0 and "SGLang ops/s" not in row
+        assert row["cached_tokens"] >= 4096  # the tree filled and evicted (TINY: 4K cached)
+    assert _radix.targets(res, setting) == []  # nothing to compare: no target, not a miss
+    _radix.report(res, setting)
+    assert "SGLang rows skipped: no SGLang in this test" in capsys.readouterr().out
 
 
 def _cheap_sections(monkeypatch) -> None:

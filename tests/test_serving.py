@@ -323,7 +323,9 @@ def test_demo_prints_the_table_and_fails_when_a_check_fails(capsys, monkeypatch)
     out = capsys.readouterr().out
     for label in (
         "prefix hit rate",
-        "tokens not recomputed",
+        "device hits",
+        "store hits",
+        "misses",
         "bytes offloaded",
         "bytes loaded",
         "time to first token",

@@ -3,10 +3,11 @@
 Every comparison runs its contenders alternately (one call of each per round) and reports
 medians, so a slow moment of the machine hits all of them alike. The sections (`SECTIONS`, in
 the order they run and print): pool updates, connector transfers, store tiers (host, disk,
-Redis), a head-sharded pool on 8 devices, block hashing, the allocators, `store_async`, and
-the reference decoder's serving steps. Then every performance target, with its value and
-limit (`_targets.TARGETS`); `--check` makes a missed target the exit status. `--json` writes
-every figure and target; `--plot` draws update time against pool size.
+Redis), a head-sharded pool on 8 devices, block hashing, the allocators, the prefix cache
+against SGLang's, `store_async`, and the reference decoder's serving steps. Then every
+performance target, with its value and limit (`_targets.TARGETS`); `--check` makes a missed
+target the exit status. `--json` writes every figure and target; `--plot` draws update time
+against pool size.
 
 Sizes: `FULL` (the default run), `QUICK` (`--quick`, a laptop's first run), `TINY` (every
 section and target in seconds, for tests of the bench: its figures say nothing about
@@ -26,6 +27,7 @@ from jaxkv.bench import (
     _allocators,
     _connector,
     _hashing,
+    _radix,
     _remote,
     _serving,
     _sharded,
@@ -47,6 +49,7 @@ SECTIONS: list[Section] = [
     _sharded.SECTION,
     _hashing.SECTION,
     _allocators.SECTION,
+    _radix.SECTION,
     _connector.ASYNC,
     _serving.SECTION,
 ]

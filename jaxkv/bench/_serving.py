@@ -31,9 +31,12 @@ def measure(setting: Setting) -> dict:
     a cache (the longer context in full runs only: about a minute on 2 cores). Times are per
     layer (step / layers).
 
-    Time to first token: a `prefix`-token prefix plus `new_tokens` new tokens, served by the
-    `Engine` without a store and with the prefix reused from a `HostStore` (stored by an
-    earlier request; each round's new tokens are new). Compilation is excluded.
+    Time to first token: a `prefix`-token prefix plus `new_tokens` new tokens (each round's
+    are new), served by the `Engine` with the prefix on the device (in its prefix cache since
+    an earlier request), from a `HostStore` (stored by an earlier request, the device's copy
+    evicted before each round) and without any reuse; beside them the bare step the device
+    hit runs: the compiled prefill of the new tokens over the cached context, with its logits
+    read back, and nothing else. Compilation is excluded.
     """
     from jaxkv.models import Decoder, DecoderConfig
 
@@ -100,33 +103,81 @@ def _ttft(model, params, sizes: Sizes) -> dict:
     from jaxkv.models import Engine, Request, bucket
 
     rng = np.random.default_rng(6)
-    new = sizes.new_tokens
-    prefix = rng.integers(0, 256, sizes.prefix).astype(np.int32)
-    ctx = bucket(sizes.prefix + new)
+    new, cached = sizes.new_tokens, sizes.prefix
+    prefix = rng.integers(0, 256, cached).astype(np.int32)
+    ctx = bucket(cached + new)
     make = functools.partial(
         Engine, model, params, pool_size=2 * ctx, page_size=PAGE, max_batch=1, max_context=ctx
     )
-    plain, reuse = make(), make(store=HostStore(64 << 20))  # it holds every round
-    times: dict[str, list[float]] = {"no reuse": [], "reuse from HostStore": []}
-    loaded = 0
-    # Round 0: the reusing engine computes the whole prompt (compiling the full-prompt step
-    # both engines use) and offloads its blocks; later rounds' last tokens are new. Round 1
-    # compiles what reuse adds (the suffix step, the load's scatter): a compile costs more
-    # than the load itself on a GPU, so timing starts at round 2.
+    plain, device = make(prefix_cache=False), make()
+    stored = make(store=HostStore(64 << 20))  # it holds every round
+    step = _bare_step(model, params, device, cached, new, ctx)
+    tree = stored.tree_cache
+
+    def served(name, engine):
+        def run(prompt):
+            if engine is stored:  # the device gives the prefix up (written back: no-op)
+                tree.evict(tree.evictable_size(), pool=stored.pool)
+            (res,) = engine.generate([Request(prompt, 1)])
+            hits[name] = (res.device_tokens, res.reused_tokens)
+            return res.ttft_s
+
+        return run
+
+    cases = {
+        "no reuse": served("no reuse", plain),
+        "device hit": served("device hit", device),
+        "bare step": step,
+        "reuse from HostStore": served("reuse from HostStore", stored),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    hits: dict[str, tuple[int, int]] = {}
+    # Round 0: the reusing engines compute the whole prompt (compiling the full-prompt step
+    # every engine uses) and cache or offload its prefix; later rounds' last tokens are new.
+    # Round 1 compiles what reuse adds (the suffix step, the load's scatter): a compile costs
+    # more than the load itself on a GPU, so timing starts at round 2.
     for r in range(2 + (2 if sizes.quick else 5)):
         prompt = np.concatenate([prefix, rng.integers(0, 256, new).astype(np.int32)])
-        runs = [("no reuse", plain)] if r else []
-        for name, engine in runs + [("reuse from HostStore", reuse)]:
-            (res,) = engine.generate([Request(prompt, 1)])
+        for name, run in cases.items():
+            if r == 0 and name in ("no reuse", "bare step"):
+                continue
+            took = run(prompt)
             if r >= 2:
-                times[name].append(res.ttft_s)
-                loaded = max(loaded, res.reused_tokens)
-    reuse.close()
+                times[name].append(took)
+    stored.close()
     return {
-        "prompt_tokens": sizes.prefix + new,
-        "reused_tokens": loaded,
+        "prompt_tokens": cached + new,
+        "device_tokens": hits["device hit"][0],
+        "reused_tokens": hits["reuse from HostStore"][1],
         **{name: float(np.median(ts)) for name, ts in times.items()},
     }
+
+
+def _bare_step(model, params, engine, cached: int, new: int, ctx: int):
+    """The step a device hit of `cached` tokens runs for the `new` ones, alone: the engine's
+    compiled step (the same executable: pool, table and token shapes are the engine's) on a
+    pool of its own, the context already in the table, the logits read back."""
+    from jaxkv import ReqToTokenPool
+    from jaxkv.models import bucket
+
+    n = cached + new
+    table = ReqToTokenPool(engine.max_batch, ctx).write(1, 0, np.arange(PAGE, PAGE + n))
+    tokens = np.zeros((1, bucket(new)), np.int32)
+    loc = np.full_like(tokens, -1)
+    loc[0, :new] = np.arange(PAGE + cached, PAGE + n)
+    state = {"pool": model.create_pool(size=engine.allocator.size, page_size=PAGE)}
+    rows, start, n_new = (np.array([v], np.int32) for v in (1, cached, new))
+
+    def run(prompt) -> float:
+        tokens[0, :new] = prompt[cached:]
+        t0 = time.perf_counter()
+        logits, state["pool"] = engine.steps(
+            params, state["pool"], table.req_to_token, rows, tokens, start, n_new, loc, ctx=ctx
+        )
+        np.asarray(logits)
+        return time.perf_counter() - t0
+
+    return run
 
 
 def targets(res: dict, setting: Setting) -> list[Measured]:
@@ -144,9 +195,24 @@ def targets(res: dict, setting: Setting) -> list[Measured]:
                 ratio(r, "jaxkv per layer", r, "naive functional cache per layer"),
             )
         )
-    t = res["ttft"]
-    name = f"time to first token: reused {label(sizes.prefix)} prefix (HostStore) / no reuse"
-    return out + [Measured("serving.ttft", name, ratio(t, "reuse from HostStore", t, "no reuse"))]
+    t, prefix = res["ttft"], label(sizes.prefix)
+    return out + [
+        Measured(
+            "serving.ttft",
+            f"time to first token: reused {prefix} prefix (HostStore) / no reuse",
+            ratio(t, "reuse from HostStore", t, "no reuse"),
+        ),
+        Measured(
+            "serving.ttft.device",
+            f"time to first token: {prefix} prefix on the device / the bare step it runs",
+            ratio(t, "device hit", t, "bare step"),
+        ),
+        Measured(
+            "serving.ttft.device_store",
+            f"time to first token: {prefix} prefix on the device / from a HostStore",
+            ratio(t, "device hit", t, "reuse from HostStore"),
+        ),
+    ]
 
 
 def report(res: dict, setting: Setting) -> None:
@@ -175,9 +241,11 @@ def report(res: dict, setting: Setting) -> None:
     )
     t = res["ttft"]
     print(
-        f"\nreference decoder, time to first token ({t['prompt_tokens']} prompt tokens): "
-        f"{t['no reuse'] * 1e3:.0f} ms without reuse, {t['reuse from HostStore'] * 1e3:.0f} ms "
-        f"with {t['reused_tokens']} prefix tokens loaded from a HostStore"
+        f"\nreference decoder, time to first token ({t['prompt_tokens']} prompt tokens, ms): "
+        f"{t['no reuse'] * 1e3:.1f} without reuse; {t['reuse from HostStore'] * 1e3:.1f} with "
+        f"{t['reused_tokens']} prefix tokens loaded from a HostStore; "
+        f"{t['device hit'] * 1e3:.1f} with {t['device_tokens']} on the device, whose bare step "
+        f"takes {t['bare step'] * 1e3:.1f}"
     )
 
 
