@@ -193,7 +193,7 @@ def _streams(page: int):
 
 @pytest.mark.usefixtures("clock")
 @pytest.mark.parametrize("page", PAGES)
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_same_answers_as_sglang(page, data):
     prompts, ops = data.draw(_streams(page))
