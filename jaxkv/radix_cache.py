@@ -304,6 +304,7 @@ class RadixCache:
         lower half keeps the object (handles keep naming the same prefix end) and its stamp.
         The upper half is created now, so its stamp is newer than the walk's."""
         parent = node.parent
+        assert parent is not None  # only nodes below the root are split
         upper = _Node(
             self,
             node.key[:k],
@@ -481,9 +482,9 @@ class RadixCache:
         starts = new[::page]
         if page > 1:
             off = new.reshape(-1, page) - starts[:, None]
-            bad = np.flatnonzero((starts % page != 0) | np.any(off != np.arange(page), axis=1))
-            if bad.size:
-                got = new[bad[0] * page : (bad[0] + 1) * page].tolist()
+            odd = np.flatnonzero((starts % page != 0) | np.any(off != np.arange(page), axis=1))
+            if odd.size:
+                got = new[odd[0] * page : (odd[0] + 1) * page].tolist()
                 raise ValueError(
                     f"slots: expected whole pages for the tokens not yet cached (a page's "
                     f"{page} slots are page * {page} + 0..{page - 1}, in order), got {got}"
@@ -648,20 +649,22 @@ class RadixCache:
             entry = heapq.heappop(self._heap)
             if not self._valid(entry):
                 continue
-            node = entry[2]
-            del node.parent.children[node.first]
+            node, parent = entry[2], entry[2].parent
+            assert parent is not None  # the root is never in the heap
+            del parent.children[node.first]
             node.alive = False
             self._nodes -= 1
             self._evictable -= node.key.size
             self._total -= node.key.size
             victims.append(node)
             freed += node.key.size
-            self._push_if_evictable(node.parent)
+            self._push_if_evictable(parent)
         return victims
 
     def _reattach(self, victims: list[_Node]) -> None:
         """Puts detached leaves back, last first, as they were (an eviction that failed)."""
         for node in reversed(victims):
+            assert node.parent is not None  # victims are leaves below the root
             node.parent.children[node.first] = node
             node.alive = True
             self._nodes += 1
@@ -786,6 +789,7 @@ class RadixCache:
                 self._release(victims)
             k = min(want, self.allocator.available_size() // bs * bs)
             slots = self.allocator.alloc(k)
+            assert slots is not None  # k is at most what is free
             pool, n = self.connector.load(pool, tokens[: start + k], slots, salt=salt, start=start)
         except BaseException:
             self.allocator.restore_state(state)
