@@ -60,9 +60,9 @@ _NO_POOL = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PrefixMatch:
-    """What `RadixCache.match_prefix` found.
+    """What `RadixCache.match_prefix` found (compared by identity: its slots are an array).
 
     Attributes:
         slots: int64 numpy array, the device slots of the longest cached prefix (a multiple of
