@@ -2,7 +2,7 @@
 
 KV pools as immutable pytrees with O(tokens) functional updates, SGLang-exact slot and page
 allocators, and (in `jaxkv.connector`) a block connector that moves KV blocks between pools and
-host or disk stores, bit-exact.
+host, disk, Redis and tiered stores, bit-exact.
 """
 
 from jaxkv._version import __version__

@@ -27,13 +27,27 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--cache-dir", metavar="PATH",
                       help="with --store disk: keep the blocks here (a later run reuses "
                       "them); default: a temporary folder removed at exit")  # fmt: skip
-    bench = sub.add_parser("bench", help="side-by-side benchmarks against numpy, memcpy, naive JAX")
+    bench = sub.add_parser(
+        "bench",
+        help="side-by-side benchmarks against numpy, memcpy, naive JAX",
+        description="Side-by-side benchmarks against numpy, memcpy and naive JAX, then the "
+        "performance targets. The full run holds pools of up to 1M tokens (4 GiB each) and "
+        "naive JAX's copies of them: give it about 24 GB of memory.",
+    )
     bench.add_argument("--quick", action="store_true",
-                       help="fewer configurations and rounds at the full sizes (pools up to "
-                       "1M tokens, 4 GiB each): a few minutes and about 21 GB of memory on "
-                       "2 cores")  # fmt: skip
-    bench.add_argument("--json", metavar="PATH", help="write every figure as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="PNG of update time vs pool size")
+                       help="smaller pools (16K to 256K tokens) and fewer configurations and "
+                       "rounds: under 4 GB of memory and about 2 minutes on 2 cores")  # fmt: skip
+    bench.add_argument("--check", action="store_true",
+                       help="exit 1 when a performance target is missed, naming each miss "
+                       "with its value and limit")  # fmt: skip
+    bench.add_argument("--redis-url", metavar="URL",
+                       help="also measure the Redis or Valkey server at URL (e.g. "
+                       "redis://localhost:6379/0); without it the Redis rows are "
+                       "skipped")  # fmt: skip
+    bench.add_argument("--json", metavar="PATH", dest="json_path",
+                       help="write every figure and target as JSON")  # fmt: skip
+    bench.add_argument("--plot", metavar="PATH", dest="plot_path",
+                       help="PNG of update time vs pool size (needs matplotlib)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "demo":
         if args.requests < 1 or args.new_tokens < 1:
@@ -50,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     from jaxkv import bench as bench_mod
 
-    return bench_mod.run(quick=args.quick, json_path=args.json, plot_path=args.plot)
+    options = vars(args)  # each bench option is the `run` argument of its `dest`
+    del options["command"]
+    return bench_mod.run(**options)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Pools keep 16- and 8-bit floats as raw unsigned bits: on XLA:CPU a scatter into a bf16 or fp8
 buffer rewrites the whole buffer even when donated, while the same scatter into the unsigned
-integer of the same width is O(tokens) (measured). Raw bits also export through DLPack,
+integer of the same width is O(tokens). Raw bits also export through DLPack,
 which rejects bf16 and fp8. Every cast lives here so the pools and the connector agree on it.
 """
 
@@ -159,7 +159,7 @@ def divide(x, y) -> jax.Array:
     with the same bits on every backend.
 
     Backends do not agree on division: XLA:GPU's float32 division is not correctly rounded
-    (over 4.2M random quotients, 41.5% differed from IEEE on an H200), and XLA's simplifier
+    (a large share of quotients differ from IEEE's in their last bit), and XLA's simplifier
     rewrites a division by a broadcast as a multiplication by the reciprocal (one ulp off for
     about half of all inputs). So the backend's quotient of the two significands is only an
     estimate, corrected from its exact residual (`correct_quotient`); the result's exponent is
@@ -193,8 +193,8 @@ def decode(bits: jax.Array, dtype: np.dtype) -> jax.Array:
 def host_bits(x, dtype):
     """`x` as a zero-copy host view of its raw bits, when that is cheaper than a device cast.
 
-    On XLA:CPU a bf16 -> uint16 bitcast inside a jitted call is an elementwise pass (about
-    80 us for 512 KiB here), while numpy views the same bytes for free. So an eager write of
+    On XLA:CPU a bf16 -> uint16 bitcast inside a jitted call is an elementwise pass over the
+    values, while numpy views the same bytes for free. So an eager write of
     values already in the pool's 16- or 8-bit dtype sends their bits from a host view. Returns
     `x` unchanged when that does not apply (other dtypes, tracers, arrays on accelerators).
     """

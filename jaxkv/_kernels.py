@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import types
 import warnings
 from collections.abc import Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -62,10 +64,20 @@ class RowCodec:
     # A slot's entry is one whole row: a run of slots is a window of rows, and raw stored bits
     # of the row shape may be written as they are.
     token_major = True
+    # Rows are not grouped into pages: any page size reads them alike.
+    page_size: ClassVar[int | None] = None
 
     def buffer_shape(self, rows: int, row_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of a layer buffer holding `rows` slots of `row_shape` entries."""
         return (rows, *row_shape)
+
+    @classmethod
+    def of_layer(cls, shape: tuple[int, ...], dtype, rows: int, page_size: int | None):
+        """`(row_shape, codec)` of another framework's token-major layer buffer `(rows,
+        *row_shape)` of `dtype` (the caller checks its rows). The codec moves raw rows, so it
+        is a plain `RowCodec` whatever wrote them."""
+        del rows, page_size
+        return tuple(shape[1:]), RowCodec(dtype)
 
     def write(self, buf: jax.Array, loc: jax.Array, values, scale) -> jax.Array:
         if isinstance(values, tuple):
@@ -102,6 +114,29 @@ class IndexCodec:
         """`(pages, page_size * (head_dim + 4))` for `rows` slots of `(head_dim + 4,)` records."""
         del row_shape  # always (head_dim + 4,)
         return (rows // self.page_size, self.page_size * (self.head_dim + 4))
+
+    @classmethod
+    def of_layer(cls, shape: tuple[int, ...], dtype, rows: int, page_size: int | None):
+        """`(record_shape, codec)` of another framework's index layer buffer of `shape` and
+        `dtype` over `rows` token slots: its page size is `rows` over its pages (which must be
+        `page_size` when one is given), its key size what a page's bytes leave.
+
+        Raises:
+            ValueError: not uint8 pages of `page_size * (head_dim + 4)` bytes dividing `rows`.
+        """
+        pages = shape[0] if len(shape) == 2 else 0
+        if np.dtype(dtype) != np.uint8 or not pages or rows % pages:
+            raise ValueError(
+                f"expected uint8 pages dividing the {rows} rows, got {shape} {np.dtype(dtype).name}"
+            )
+        page, width = rows // pages, shape[1]
+        if (page_size is not None and page != page_size) or width % page or width // page <= 4:
+            raise ValueError(
+                f"expected pages of page_size * (head_dim + 4) bytes for page_size "
+                f"{page_size or page}, got {shape} over {rows} rows"
+            )
+        head_dim = width // page - 4
+        return (head_dim + 4,), cls(page, head_dim)
 
     def split(self, records):
         """Token records `(T, head_dim + 4)` -> `(keys (T, head_dim), scales (T, 4))` bytes."""
@@ -226,7 +261,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _caller_stacklevel() -> int:
     """The `stacklevel` that points a warning at the first frame outside jaxkv."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level

@@ -11,7 +11,7 @@ Triton kernel behind `quantize_k_cache_separate`), in float32:
     scale = amax / 448                   (amax = max |x| over the tile; no floor)
     code  = fp8_e4m3(clip(x * (1 / scale), -448, 448))     (round to nearest even)
 
-so a reader gets `code * scale` back. Two choices of ours where SGLang's kernel has none:
+so a reader gets `code * scale` back. Three choices of ours where SGLang's kernel has none:
 
 * A tile whose scale is zero (all zeros) keeps its zeros, signs included, where SGLang
   computes `0 * (1 / 0)`, a NaN (its GPU kernel then clamps that to a backend-dependent code).

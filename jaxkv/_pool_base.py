@@ -2,91 +2,58 @@
 
 A pool is a frozen dataclass registered as a JAX pytree whose leaves are exactly its per-layer
 buffers (tuples of arrays, one per layer); every other field is static metadata, so two pools of
-equal shapes share one trace. Subclasses add their buffer fields, their own static sizes and
-their rules; they never re-implement validation, slot handling or the scatter.
+equal shapes share one trace. Subclasses declare their buffer fields (`buffer()`), their own
+static sizes, their `create` signature and their rules; they never re-implement validation,
+slot handling or the scatter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import weakref
 from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _dtypes, _kernels
+from jaxkv._buffers import BufferDecl, BufferSpec, buffer, declarations
 from jaxkv._checks import int_arg, is_int
-from jaxkv._sharding import REPLICATED, ShardRule
 from jaxkv.errors import ConsumedPoolError
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # the marker only informs type checkers, which read the branch above
+
+    def dataclass_transform(**_):
+        return lambda cls: cls
+
+
+_P = TypeVar("_P", bound="PoolBase")
 
 
 class Write(NamedTuple):
-    """One buffer's part of an update: `value (T, *row_shape)` from user argument `arg`.
+    """One buffer's part of an update: `value (T, *row_shape)` from user argument `arg` for
+    the buffer of part key `key`.
 
     `value` may be a tuple of parts that are encoded separately and joined on the last axis
     (MLA's `k_nope` and `k_rope`), so mixed input dtypes never promote each other; then
     `part_shapes` names each part's argument and per-token shape, so errors name the part.
     """
 
-    buffer: str
+    key: str
     arg: str
     value: Any
     scale: Any = None
     part_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
-class BufferSpec(NamedTuple):
-    """How one per-layer buffer of a pool is laid out: the single description of a layout.
-
-    `create` allocates from it, `get_kv_size_bytes`, the setters and readers and the connector
-    read it. `row_shape` is the shape of one token's stored entry, `codec` says where that
-    entry lives and how big a layer buffer is (`RowCodec`: row `slot`; `IndexCodec`: packed
-    into the slot's page), `value_shape` is the per-token shape a setter takes when it differs
-    from `row_shape` (NSA index keys are written as floats and stored as fp8 bytes plus a
-    scale), and `shard` says which axis the pool's `sharding` may split.
-    """
-
-    name: str
-    row_shape: tuple[int, ...]
-    store_dtype: np.dtype
-    codec: _kernels.Codec
-    value_shape: tuple[int, ...] | None = None
-    shard: ShardRule = REPLICATED
-
-    def input_shape(self, value) -> tuple[int, ...]:
-        """The per-token shape a setter's `value` must have: `value_shape` (else `row_shape`),
-        except that raw bits in the store dtype are whole stored rows of a token-major buffer
-        (NSA's packed fp8 rows take floats of the latent's shape, or raw packed rows)."""
-        raw = (
-            not isinstance(value, tuple)
-            and self.codec.token_major
-            and value.dtype == self.store_dtype
-        )
-        return self.row_shape if raw or self.value_shape is None else self.value_shape
-
-
-def pool_pytree(cls):
-    """Declares a pool kind: a frozen dataclass registered as a pytree (`BUFFERS` fields are
-    data, all other fields static) with its `create` classmethod.
-
-    `create` takes, keyword-only, the arguments every kind takes plus the kind's own sizes
-    (its static fields beyond the common ones): required ones before `layer_num`, those with a
-    `CREATE_DEFAULTS` entry after it. Its signature is built from those fields, so the sizes a
-    kind stores and the arguments it takes are declared once.
-    """
-    cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
-    meta = _register(cls)
-    cls.create = classmethod(_create_method(cls, [n for n in meta if n not in _COMMON_ARGS]))
-    return cls
-
-
-def _register(cls) -> list[str]:
-    """Registers dataclass `cls` as a pytree whose leaves are its buffers; returns its static
-    field names.
+def _register(cls) -> None:
+    """Registers dataclass `cls` as a pytree whose leaves are its buffers.
 
     Not `register_dataclass`: its unflatten calls the dataclass `__init__`, which for a
     frozen class of a dozen fields cost 3.4-6.1 us per jitted call on the CI machine, while a
@@ -122,8 +89,6 @@ def _register(cls) -> list[str]:
         return pool
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-    cls._pytree_registered = True
-    return list(meta)
 
 
 class _Static:
@@ -132,6 +97,8 @@ class _Static:
     every field. `template` is the `__dict__` an unflattened pool starts from."""
 
     __slots__ = ("key", "template", "__weakref__")
+    key: tuple
+    template: dict
     # Weak: an entry lives while a pool, treedef or jit cache entry holds its object, so two
     # live objects never share values, and pools of sizes no longer used are not kept.
     _interned: ClassVar[weakref.WeakValueDictionary] = weakref.WeakValueDictionary()
@@ -162,68 +129,35 @@ class _Static:
         return f"{self.key[0].__name__}({fields})"
 
 
-def _create_method(cls, sizes: list[str]):
-    defaults = {**_COMMON_DEFAULTS, **cls.CREATE_DEFAULTS}
-    order = [
-        "size",
-        "page_size",
-        "dtype",
-        *(n for n in sizes if n not in defaults),
-        "layer_num",
-        *(n for n in sizes if n in defaults),
-        "start_layer",
-        "sharding",
-    ]
-    kw = inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)]
-    params += [
-        inspect.Parameter(n, kw, default=defaults.get(n, inspect.Parameter.empty)) for n in order
-    ]
-    signature = inspect.Signature(params, return_annotation=cls.__name__)
-
-    def create(kind, /, *args, **kwargs):
-        try:
-            bound = signature.bind(kind, *args, **kwargs)
-        except TypeError as err:  # what Python says of a plain function, with its name
-            raise TypeError(f"{kind.__name__}.create(): {err}") from None
-        bound.apply_defaults()
-        return kind._create(bound.arguments)
-
-    create.__signature__ = signature
-    create.__qualname__ = f"{cls.__name__}.create"
-    create.__module__ = cls.__module__
-    create.__doc__ = _CREATE_DOC.format(kind=cls.__name__)
-    return create
-
-
-_COMMON_DEFAULTS = {"page_size": 1, "dtype": jnp.bfloat16, "start_layer": 0, "sharding": None}
-
-_CREATE_DOC = """Allocates a zeroed `{kind}`; every argument is keyword-only.
-
-    Args:
-        size: token slots, a positive multiple of `page_size`; each layer buffer has
-            `size + page_size` rows (page 0 is the padding sink).
-        page_size: tokens per page.
-        dtype: logical dtype (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2).
-        layer_num: layers held; `start_layer` is the first one's global id.
-        sharding: placement of every buffer (`None`: the default device). Token rows are
-            never split; MHA and K-only pools may split heads over a mesh axis (`head_num`
-            divisible by its size), MLA and NSA buffers are replicated.
-        The kind's own sizes (head or latent sizes) are positive ints.
-
-    Returns:
-        The new pool, every buffer zero (its readers return zeros), placed by `sharding`.
-
-    Raises:
-        ValueError: a bad size, dtype or sharding, naming the argument (NSA with an fp8
-            dtype also needs `kv_lora_rank` a multiple of 128).
-        TypeError: a positional, unknown or missing argument, or a `sharding` that is no
-            placement (not None, a device or a `jax.sharding.Sharding`).
-    """
+def _check_create(cls) -> None:
+    """`TypeError` unless `cls.create` takes, keyword-only, exactly fields of `cls`, every
+    static field without a default among them: `create` hands its arguments to the fields
+    by name, so a size a kind stores and the argument that sets it cannot drift apart."""
+    if not callable(getattr(cls, "create", None)):
+        raise TypeError(f"{cls.__name__}: a pool kind needs a create classmethod")
+    params = inspect.signature(cls.create).parameters
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in cls.BUFFERS}
+    needed = {
+        n
+        for n, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    unknown = sorted(set(params) - set(fields))
+    missing = sorted(needed - set(params))
+    positional = sorted(n for n, p in params.items() if p.kind is not p.KEYWORD_ONLY)
+    if unknown or missing or positional:
+        raise TypeError(
+            f"{cls.__name__}.create: expected keyword-only arguments naming its static fields "
+            f"(every one without a default), got unknown {unknown}, missing {missing}, "
+            f"positional {positional}"
+        )
 
 
 # The `create` arguments every pool kind takes; the others are the kind's own sizes.
 _COMMON_ARGS = ("size", "page_size", "dtype", "layer_num", "start_layer", "sharding")
+
+# Where a pool's buffers are placed: `create`'s `sharding`.
+Placement: TypeAlias = jax.sharding.Sharding | jax.Device | None
 
 
 def _zeros(shape: tuple[int, ...], dtype, where) -> jax.Array:
@@ -242,19 +176,46 @@ _NOT_CONCRETE = (
 )
 
 
+@dataclass_transform(
+    frozen_default=True, eq_default=False, field_specifiers=(buffer, dataclasses.field)
+)
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class PoolBase:
     """Shared behaviour of `MHAPool`, `MLAPool`, `NSAPool` and `KOnlyPool`.
 
-    Subclasses are declared with `@pool_pytree` and start with these static fields. A kind
-    declares its buffers once, in `buffer_specs`; `create` allocates from that declaration.
+    Every subclass is a frozen dataclass (made one when it is defined, as flax's
+    `struct.PyTreeNode` does): its buffer fields are declared with `buffer()` and every other
+    field is static. A class with a `KIND` (a pool kind, and any subclass of one) is
+    registered as a pytree whose leaves are its buffers, and its `create` is checked to take
+    exactly its static fields. A kind's own sizes are fields, its buffers' rows come from
+    them (`buffer(rows=...)`), and setters and readers name buffers by part key.
+
+    Every kind's `create` is a keyword-only classmethod handing its arguments to `_build`,
+    which takes these for every kind:
+
+    Args:
+        size: token slots, a positive multiple of `page_size`; each layer buffer has
+            `size + page_size` rows (page 0 is the padding sink).
+        page_size: tokens per page, positive.
+        dtype: logical dtype (float32, bfloat16, float16, float8_e4m3fn, float8_e5m2).
+        layer_num: layers held, positive; `start_layer` (>= 0) is the first one's global id.
+        sharding: placement of every buffer (`None`: the default device). Token rows are
+            never split; MHA and K-only pools may split heads over a mesh axis (`head_num`
+            divisible by its size), MLA and NSA buffers are replicated.
+
+    and the kind's own sizes, positive ints. It returns the pool with every buffer zero (its
+    readers return zeros), placed by `sharding`, and raises `ValueError` for a bad size, dtype
+    or sharding, naming the argument (NSA with an fp8 dtype also needs `kv_lora_rank` a
+    multiple of 128), `TypeError` for a positional, unknown or missing argument, or a
+    `sharding` that is no placement (not None, a device or a `jax.sharding.Sharding`).
     """
 
-    BUFFERS: ClassVar[tuple[str, ...]] = ()
-    # `create` defaults of this kind's own arguments (the common ones default as documented).
-    CREATE_DEFAULTS: ClassVar[Mapping[str, Any]] = {}
     # The layout kind the connector keys blocks by; subclasses of a kind inherit it.
     KIND: ClassVar[str] = ""
+    # What the kind's buffer fields declare, in field order (set when a subclass is defined).
+    DECLARED: ClassVar[tuple[BufferDecl, ...]] = ()
+    # The buffer attributes, in field order: the pytree's data fields.
+    BUFFERS: ClassVar[tuple[str, ...]] = ()
 
     size: int
     page_size: int
@@ -264,10 +225,17 @@ class PoolBase:
     sharding: Any
 
     def __init_subclass__(cls, **kwargs):
-        """A user's subclass of a pool kind (one that adds no fields) is a pytree like the
-        kind, so it can be jitted over and donated too; pytree registration is per class."""
+        """Makes every subclass a frozen dataclass and derives its buffers from its fields.
+
+        A pool kind (a class with a `KIND`) and a user's subclass of one are pytrees, so they
+        can be jitted over and donated; pytree registration is per class.
+        """
         super().__init_subclass__(**kwargs)
-        if getattr(cls, "_pytree_registered", False):
+        dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
+        cls.DECLARED = declarations(cls)
+        cls.BUFFERS = tuple(d.attr for d in cls.DECLARED)
+        if cls.KIND:
+            _check_create(cls)
             _register(cls)
 
     # ---- static description -------------------------------------------------------------
@@ -282,12 +250,25 @@ class PoolBase:
         return self.size + self.page_size
 
     def buffer_specs(self) -> tuple[BufferSpec, ...]:
-        """The per-layer buffers of this pool, in export order."""
-        raise NotImplementedError
+        """The per-layer buffers of this pool as its kind declares them, in field order.
 
-    def spec(self, name: str) -> BufferSpec:
-        """The declaration of buffer `name`."""
-        return next(s for s in self.buffer_specs() if s.name == name)
+        Computed once per pool and handed on to the pools `with_buffers` makes: it depends on
+        the static fields only, and every update asks for it.
+        """
+        specs = self.__dict__.get("_specs")
+        if specs is None:
+            specs = tuple(decl.spec(self) for decl in self.DECLARED)
+            object.__setattr__(self, "_specs", specs)
+        return specs
+
+    def spec(self, key: str) -> BufferSpec:
+        """The description of the buffer of part key `key` (`KeyError` if this kind has
+        none)."""
+        for s in self.buffer_specs():
+            if s.key == key:
+                return s
+        keys = [s.key for s in self.buffer_specs()]
+        raise KeyError(f"key: expected a part of {type(self).__name__} among {keys}, got {key!r}")
 
     def size_fields(self) -> dict[str, int]:
         """The kind's own sizes (`head_num`, `kv_lora_rank`, ...): every static field that
@@ -299,6 +280,7 @@ class PoolBase:
         }
 
     def buffers(self, name: str) -> tuple[jax.Array, ...]:
+        """The per-layer buffers of attribute `name`."""
         return getattr(self, name)
 
     @property
@@ -330,8 +312,14 @@ class PoolBase:
             )
         return buf
 
+    def part_layer(self, key: str, layer_id: int) -> jax.Array:
+        """The stored bits of global layer `layer_id` of the buffer of part key `key`."""
+        return self.layer_buffer(self.spec(key).attr, self.layer_index(layer_id))
+
     @staticmethod
-    def common_fields(*, size, page_size, layer_num, start_layer, dtype, sharding) -> dict:
+    def common_fields(
+        *, size, page_size, layer_num, start_layer, dtype, sharding
+    ) -> dict[str, Any]:
         """Validates the arguments every pool kind takes; returns them as static fields."""
         size, page_size = int_arg("size", size), int_arg("page_size", page_size)
         layer_num = int_arg("layer_num", layer_num)
@@ -350,35 +338,31 @@ class PoolBase:
         )
 
     @classmethod
-    def _create(cls, args: Mapping[str, Any]):
-        """What every kind's `create` does with its keyword arguments `args`:
-        validates them, then allocates zeroed buffers as `buffer_specs` declares them.
+    def _build(cls: type[_P], args: Mapping[str, Any]) -> _P:
+        """What every kind's `create` does with its arguments `args` (its `locals()`, by
+        name): validates them, then allocates zeroed buffers as the kind declares them.
 
         The kind's own sizes (every argument not common to all kinds) are positive ints.
         Every check, sharding included, runs before anything is allocated.
         """
-        args = cls.complete_args({k: v for k, v in args.items() if k != "cls"})
-        sizes = {k: int_arg(k, v) for k, v in args.items() if k not in _COMMON_ARGS}
+        args = {k: v for k, v in args.items() if k != "cls"}
+        sizes: dict[str, Any] = {k: int_arg(k, v) for k, v in args.items() if k not in _COMMON_ARGS}
         common = cls.common_fields(**{k: args[k] for k in _COMMON_ARGS})
-        pool = cls(**common, **sizes, **dict.fromkeys(cls.BUFFERS, ()))
+        empty: dict[str, Any] = dict.fromkeys(cls.BUFFERS, ())
+        pool = cls(**common, **sizes, **empty)
         pool.check_sizes()
         specs = pool.buffer_specs()
-        shapes = [s.codec.buffer_shape(pool.rows, s.row_shape) for s in specs]
+        shapes = [s.layer_shape(pool.rows) for s in specs]
         where = [
-            s.shard.placement(pool.sharding, s.name, shape, cls.__name__)
+            s.shard.placement(pool.sharding, s.attr, shape, cls.__name__)
             for s, shape in zip(specs, shapes)
         ]
         return pool.with_buffers(
             **{
-                s.name: [_zeros(shape, s.store_dtype, w) for _ in range(pool.layer_num)]
+                s.attr: [_zeros(shape, s.bits_dtype, w) for _ in range(pool.layer_num)]
                 for s, shape, w in zip(specs, shapes, where)
             }
         )
-
-    @staticmethod
-    def complete_args(args: dict) -> dict:
-        """`create`'s arguments with defaults that depend on others filled in; none here."""
-        return args
 
     def check_sizes(self) -> None:
         """Rules between a kind's sizes beyond positivity (`ValueError`); none by default."""
@@ -389,7 +373,10 @@ class PoolBase:
         unknown = sorted(set(buffers) - set(self.BUFFERS))
         if unknown:
             raise ValueError(f"buffers: expected names among {self.BUFFERS}, got {unknown}")
-        return dataclasses.replace(self, **{k: tuple(v) for k, v in buffers.items()})
+        pool = dataclasses.replace(self, **{k: tuple(v) for k, v in buffers.items()})
+        if "_specs" in self.__dict__:  # same statics, same specs
+            object.__setattr__(pool, "_specs", self.__dict__["_specs"])
+        return pool
 
     def __repr__(self) -> str:
         fields = [
@@ -399,13 +386,14 @@ class PoolBase:
         ]
         return f"{type(self).__name__}(dtype={self.dtype.name}, {', '.join(fields)})"
 
-    def buffer_bytes(self, name: str) -> int:
-        """Bytes of every layer of buffer `name` (0 when this kind has no such buffer)."""
-        return sum(int(b.nbytes) for b in getattr(self, name, ()))
+    def part_bytes(self, key: str) -> int:
+        """Bytes of every layer of the buffer of part key `key` (0 when this kind has none)."""
+        attrs = [s.attr for s in self.buffer_specs() if s.key == key]
+        return sum(int(b.nbytes) for attr in attrs for b in self.buffers(attr))
 
     def get_kv_size_bytes(self):
-        """Bytes of every allocated buffer (MHA and K-only override to return (k, v))."""
-        return sum(self.buffer_bytes(spec.name) for spec in self.buffer_specs())
+        """Bytes of every declared buffer (MHA and K-only return `(k, v)` instead)."""
+        return sum(self.part_bytes(spec.key) for spec in self.buffer_specs())
 
     # ---- layer ids and slots ------------------------------------------------------------
 
@@ -425,6 +413,7 @@ class PoolBase:
         Host integers wider than 32 bits are clipped before narrowing, so a slot like 2**32+5
         is dropped instead of wrapping onto row 5.
         """
+        arr: Any  # a tracer, a jax array or a host array
         if isinstance(loc, jax.core.Tracer):
             if check_bounds:
                 raise ValueError(_NOT_CONCRETE)
@@ -513,12 +502,12 @@ class PoolBase:
         """
         li = self.layer_index(layer_id)
         loc = self.prepare_loc(loc, check_bounds=check_bounds)
-        specs = {s.name: s for s in self.buffer_specs()}
+        specs = {s.key: s for s in self.buffer_specs()}
         n = int(loc.shape[0])
         writes = [w._replace(value=_as_array(w.value)) for w in writes]
         eager = not _kernels.tracing(writes)
         for i, w in enumerate(writes):
-            spec = specs[w.buffer]
+            spec = specs[w.key]
             parts = w.value if isinstance(w.value, tuple) else (w.value,)
             for (arg, tail), part in zip(w.part_shapes, parts):
                 self.check_shape(arg, part, (n, *tail))
@@ -532,15 +521,16 @@ class PoolBase:
             if eager and stored_as_is:
                 bits = tuple(_dtypes.host_bits(p, self.dtype) for p in parts)
                 writes[i] = w._replace(value=bits if isinstance(w.value, tuple) else bits[0])
+        attrs = [specs[w.key].attr for w in writes]
         new = _kernels.apply_writes(
-            [self.layer_buffer(w.buffer, li) for w in writes],
+            [self.layer_buffer(attr, li) for attr in attrs],
             loc,
             [w.value for w in writes],
             [w.scale for w in writes],
-            [specs[w.buffer].codec for w in writes],
+            [specs[w.key].codec for w in writes],
             donate=donate,
         )
-        pool = self.replace_layer(li, {w.buffer: b for w, b in zip(writes, new)})
+        pool = self.replace_layer(li, dict(zip(attrs, new)))
         if donate and not _kernels.tracing(new):
             # The buffers went to `pool` (or, when XLA could not reuse them, were copied and
             # reported): either way this object is spent, so no read or stray update through
@@ -549,7 +539,7 @@ class PoolBase:
         return pool
 
     def replace_layer(self, li: int, new_buffers: Mapping[str, jax.Array]):
-        """A new pool with layer `li` of each named buffer replaced."""
+        """A new pool with layer `li` of each buffer replaced (keyed by attribute)."""
         changes = {}
         for name, buf in new_buffers.items():
             layers = list(self.buffers(name))
@@ -557,21 +547,21 @@ class PoolBase:
             changes[name] = layers
         return self.with_buffers(**changes)
 
-    def read_slots(self, name: str, layer_id: int, loc) -> jax.Array:
-        """Stored entries of buffer `name` at slots `loc` (zero bits out of range),
-        `(T, *row_shape)`, as its declared codec finds them."""
-        buf = self.layer_buffer(name, self.layer_index(layer_id))
-        return _kernels.read_slots(self.spec(name).codec, buf, self.prepare_loc(loc))
+    def read_slots(self, key: str, layer_id: int, loc) -> jax.Array:
+        """Stored entries of the buffer of part key `key` at slots `loc` (zero bits out of
+        range), `(T, *row_shape)`, as its declared codec finds them."""
+        buf = self.part_layer(key, layer_id)
+        return _kernels.read_slots(self.spec(key).codec, buf, self.prepare_loc(loc))
 
-    def read(self, name: str, layer_id: int) -> jax.Array:
-        """The whole buffer `name` of `layer_id` in the logical dtype.
+    def read(self, key: str, layer_id: int) -> jax.Array:
+        """The whole buffer of part key `key` of `layer_id` in the logical dtype.
 
         Eagerly always a new array, never the pool's own buffer (a float32 pool's buffer is
         already in the logical dtype): what a reader holds stays valid when a later update
         donates the buffer, as the bitcast of every other dtype does. Under a trace no copy is
         made (XLA fuses the view into its consumer).
         """
-        buf = self.layer_buffer(name, self.layer_index(layer_id))
+        buf = self.part_layer(key, layer_id)
         out = _dtypes.decode(buf, self.dtype)
         return jnp.copy(out) if out is buf and not isinstance(buf, jax.core.Tracer) else out
 

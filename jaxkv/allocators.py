@@ -23,6 +23,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxkv._checks import int_arg, is_int
+from jaxkv.errors import ConsumedPoolError
 
 __all__ = ["TokenAllocator", "PagedAllocator", "ReqToTokenPool"]
 
@@ -340,6 +341,16 @@ _write_row_donated = jax.jit(_write_row, donate_argnums=0)
 _write_row_copy = jax.jit(_write_row)
 
 
+_CONSUMED = (
+    "{where}: this ReqToTokenPool was consumed by write(); use the ReqToTokenPool it returned "
+    "(or pass donate=False to keep this one readable)"
+)
+_DELETED = (
+    "{where}: this ReqToTokenPool's table was deleted (donated to a jitted call outside "
+    "write()); use what that call returned"
+)
+
+
 class _RowFreeList:
     """Free request rows `1..size` (row 0 is the padding row), shared by the `ReqToTokenPool`s
     one `write` chain returns."""
@@ -358,8 +369,12 @@ class ReqToTokenPool:
     Row 0 is a padding row that is never handed out: padded batches point their dummy requests
     at it, as in SGLang. Rows `1..size` are handed out the way SGLang does it: `alloc(n)` takes
     the last `n` free rows, and `free` appends, so a freed row is the next one handed out.
-    Row bookkeeping (`alloc`, `free`) is host-side and shared by every `ReqToTokenPool`
-    returned from `write`; the table itself is a device array updated functionally.
+    Row bookkeeping (`alloc`, `free`, `available_size`, `clear`) is host-side and shared by
+    every `ReqToTokenPool` of one `write` chain, so it answers the same through any of them
+    (a consumed one included: freeing a row through an old reference frees it for all). The
+    table itself is a device array updated functionally: an eager `write` (donating, the
+    default) consumes this object, whose `req_to_token` and `write` then raise
+    `ConsumedPoolError`, as pools do after an eager update.
 
     Args:
         size: request rows handed out, a positive int.
@@ -385,11 +400,37 @@ class ReqToTokenPool:
         self.size = int_arg("size", size)
         self.max_context_len = int_arg("max_context_len", max_context_len)
         self._rows = _rows if _rows is not None else _RowFreeList(self.size)
-        self.req_to_token = (
+        self._table = (
             _table
             if _table is not None
             else jnp.zeros((self.size + 1, self.max_context_len), jnp.int32)
         )
+        self._consumed = False
+
+    @property
+    def consumed(self) -> bool:
+        """Whether a donating `write` handed this object's table to the `ReqToTokenPool` it
+        returned; then `req_to_token` and `write` raise `ConsumedPoolError`."""
+        return self._consumed
+
+    @property
+    def req_to_token(self) -> jax.Array:
+        """The table, int32 `(size + 1, max_context_len)`.
+
+        Raises:
+            ConsumedPoolError: a donating `write` consumed this object (whether or not XLA
+                reused the buffer: the flag never depends on the backend), or its buffer was
+                deleted.
+        """
+        return self._live_table("ReqToTokenPool.req_to_token")
+
+    def _live_table(self, where: str) -> jax.Array:
+        if self._consumed:
+            raise ConsumedPoolError(_CONSUMED.format(where=where))
+        table = self._table
+        if not isinstance(table, jax.core.Tracer) and table.is_deleted():
+            raise ConsumedPoolError(_DELETED.format(where=where))
+        return table
 
     def available_size(self) -> int:
         """Rows free now."""
@@ -454,16 +495,16 @@ class ReqToTokenPool:
     ) -> ReqToTokenPool:
         """A new pool with `req_to_token[row, start:start+len(slots)] = slots`.
 
-        `row` may be any row of the table, the padding row 0 included. Eagerly the old table is
-        donated (use the returned pool from then on); `donate=False` keeps it valid at the
-        cost of a full copy.
+        `row` may be any row of the table, the padding row 0 included. By default the old
+        table is donated and this object is consumed (use the returned pool from then on: its
+        `req_to_token` and `write` raise `ConsumedPoolError`, on every backend); `donate=False`
+        keeps it valid at the cost of a full copy. Row bookkeeping stays shared either way.
 
         Args:
             row: the table row, in `[0, size]`.
             start: the first column written, >= 0.
             slots: the token slots to write, a 1-D sequence of ints in int32's range.
-            donate: give the old table's buffer to the new pool (the old pool's table is then
-                invalid).
+            donate: give the old table's buffer to the new pool and mark this one consumed.
 
         Returns:
             A `ReqToTokenPool` sharing this one's row bookkeeping, with the new table.
@@ -473,7 +514,9 @@ class ReqToTokenPool:
             ValueError: `slots` has two or more dimensions, or a value outside int32.
             IndexError: `row` outside `[0, size]`, or `start + len(slots)` past
                 `max_context_len` (or a negative `start`).
+            ConsumedPoolError: an earlier donating `write` consumed this object.
         """
+        table = self._live_table("ReqToTokenPool.write()")  # refused before any argument
         slots = _int_vector("slots", slots)
         row, start = _index("row", row), _index("start", start)
         if slots.size and (slots.min() < _INT32.min or slots.max() > _INT32.max):
@@ -495,5 +538,9 @@ class ReqToTokenPool:
         vals = np.zeros(n, np.int32)
         vals[: slots.size] = slots
         fn = _write_row_donated if donate else _write_row_copy
-        table = fn(self.req_to_token, np.int32(row), cols, vals)
-        return ReqToTokenPool(self.size, self.max_context_len, _rows=self._rows, _table=table)
+        new = fn(table, np.int32(row), cols, vals)
+        if donate and not isinstance(new, jax.core.Tracer):
+            # Spent whether or not XLA could reuse the buffer (some backends copy instead):
+            # a read through this object must never return the table as it was.
+            self._consumed = True
+        return ReqToTokenPool(self.size, self.max_context_len, _rows=self._rows, _table=new)

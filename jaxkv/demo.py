@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.connector import DiskStore, HostStore
+from jaxkv.connector import BlockStore, DiskStore, HostStore
 from jaxkv.models import (
     LOGIT_BOUNDS,
     ByteTokenizer,
@@ -242,7 +242,7 @@ def run(
     if store == "disk":
         if cache_dir is None:
             tmp = cache_dir = tempfile.mkdtemp(prefix="jaxkv-demo-")
-        backing = DiskStore(cache_dir)
+        backing: BlockStore = DiskStore(cache_dir)
     else:
         backing = HostStore(1 << 30)
     progress = Progress(3 * requests * (new_tokens + 1) + requests)

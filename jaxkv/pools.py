@@ -16,21 +16,23 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jax.typing import ArrayLike
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxkv import _dtypes, _kernels, _packed_fp8
-from jaxkv._pool_base import BufferSpec, PoolBase, Write, pool_pytree
+from jaxkv._buffers import Layers, Rows, buffer
+from jaxkv._pool_base import Placement, PoolBase, Write
 from jaxkv._sharding import HEADS
 
 __all__ = ["MHAPool", "KOnlyPool", "MLAPool", "NSAPool"]
 
-# The setters return a pool of the type they were called on.
+# Constructors and setters return a pool of the class they were called on.
 _P = TypeVar("_P", bound=PoolBase)
+_K = TypeVar("_K", bound="_KeyedPool")
+_L = TypeVar("_L", bound="_LatentPool")
 
 _NO_V_READ = "{cls} does not allocate V: it stores K only; use get_key_buffer({layer})"
 _NO_V_WRITE = (
@@ -39,16 +41,17 @@ _NO_V_WRITE = (
 
 
 class _KeyedPool(PoolBase):
-    """Pools whose K rows live in `KEY_BUFFER`; `set_k` and `get_key_buffer` are shared."""
+    """Pools whose K rows live in the buffer of part key `KEY_PART`; `set_k` and
+    `get_key_buffer` are shared."""
 
-    KEY_BUFFER = "k_buffer"
+    KEY_PART: ClassVar[str]
 
     def get_key_buffer(self, layer_id: int) -> jax.Array:
         """The whole K buffer of `layer_id` (MLA/NSA: the latent rows), logical dtype."""
-        return self.read(self.KEY_BUFFER, layer_id)
+        return self.read(self.KEY_PART, layer_id)
 
     def set_k(
-        self: _P,
+        self: _K,
         layer_id: int,
         loc: ArrayLike,
         cache_k: ArrayLike,
@@ -56,7 +59,7 @@ class _KeyedPool(PoolBase):
         *,
         donate: bool = True,
         check_bounds: bool = False,
-    ) -> _P:
+    ) -> _K:
         """Writes K rows only: `cache_k (T, *row)` into rows `loc (T,)`.
 
         Args:
@@ -87,7 +90,7 @@ class _KeyedPool(PoolBase):
             ConsumedPoolError: this pool was consumed by an earlier update.
         """
         self.check_scale("k_scale", k_scale)
-        write = Write(self.KEY_BUFFER, "cache_k", cache_k, self._applied_scale(k_scale))
+        write = Write(self.KEY_PART, "cache_k", cache_k, self._applied_scale(k_scale))
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
 
     def _applied_scale(self, k_scale):
@@ -95,51 +98,66 @@ class _KeyedPool(PoolBase):
         return k_scale
 
 
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class _HeadPool(_KeyedPool):
     """Rows of `head_num` heads per token. Heads are independent, so a `sharding` may split
     the heads axis over a tensor-parallel mesh axis, as SGLang's ranks hold `head_num / tp`."""
 
+    KEY_PART = "k"
     head_num: int
     head_dim: int
+    k_buffer: Layers = buffer(key="k", rows=lambda p: p.head_rows(p.head_dim), shard=HEADS)
 
-    def _head_spec(self, name: str, head_dim: int) -> BufferSpec:
-        """A token-major buffer of `(head_num, head_dim)` rows, split by heads if sharded."""
-        codec = _kernels.RowCodec(self.dtype)
-        return BufferSpec(name, (self.head_num, head_dim), self.store_dtype, codec, shard=HEADS)
+    def head_rows(self, head_dim: int) -> Rows:
+        """Token-major rows of `head_num` heads of `head_dim` values, stored as the pool's
+        `store_dtype`."""
+        return Rows((self.head_num, head_dim), self.store_dtype, _kernels.RowCodec(self.dtype))
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         """`(k_bytes, v_bytes)` over every layer (K-only: `v_bytes == 0`)."""
-        return self.buffer_bytes("k_buffer"), self.buffer_bytes("v_buffer")
+        return self.part_bytes("k"), self.part_bytes("v")
 
 
-@pool_pytree
 class MHAPool(_HeadPool):
     """Multi-head attention pool: `k_buffer[l] (rows, head_num, head_dim)` and `v_buffer[l]
     (rows, head_num, v_head_dim)` per layer, `rows = size + page_size`."""
 
     KIND = "mha"
-    BUFFERS = ("k_buffer", "v_buffer")
-    CREATE_DEFAULTS = {"v_head_dim": None}  # None: head_dim
     v_head_dim: int
-    k_buffer: tuple[jax.Array, ...]
-    v_buffer: tuple[jax.Array, ...]
+    v_buffer: Layers = buffer(key="v", rows=lambda p: p.head_rows(p.v_head_dim), shard=HEADS)
 
-    @staticmethod
-    def complete_args(args: dict) -> dict:
-        """`v_head_dim=None` means `head_dim`."""
-        if args["v_head_dim"] is None:
-            args["v_head_dim"] = args["head_dim"]
-        return args
+    @classmethod
+    def create(
+        cls: type[_P],
+        *,
+        size: int,
+        page_size: int = 1,
+        dtype: DTypeLike = jnp.bfloat16,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        v_head_dim: int | None = None,
+        start_layer: int = 0,
+        sharding: Placement = None,
+    ) -> _P:
+        """Allocates a zeroed MHA pool. The arguments every kind takes, what `create` returns
+        and raises: see `PoolBase`.
 
-    def buffer_specs(self):
-        return (
-            self._head_spec("k_buffer", self.head_dim),
-            self._head_spec("v_buffer", self.v_head_dim),
-        )
+        Args:
+            head_num: K and V heads per token.
+            head_dim: values per K head.
+            v_head_dim: values per V head (`None`: `head_dim`).
+
+        Example:
+            >>> pool = MHAPool.create(size=4, head_num=2, head_dim=8, layer_num=1, v_head_dim=4)
+            >>> pool.k_buffer[0].shape, pool.v_buffer[0].shape
+            ((5, 2, 8), (5, 2, 4))
+        """
+        if v_head_dim is None:
+            v_head_dim = head_dim
+        return cls._build(locals())  # every argument, by name
 
     def get_value_buffer(self, layer_id: int) -> jax.Array:
-        return self.read("v_buffer", layer_id)
+        return self.read("v", layer_id)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
@@ -173,23 +191,44 @@ class MHAPool(_HeadPool):
         self.check_scale("k_scale", k_scale)
         self.check_scale("v_scale", v_scale)
         writes = [
-            Write("k_buffer", "cache_k", cache_k, k_scale),
-            Write("v_buffer", "cache_v", cache_v, v_scale),
+            Write("k", "cache_k", cache_k, k_scale),
+            Write("v", "cache_v", cache_v, v_scale),
         ]
         return self.write(layer_id, loc, writes, donate=donate, check_bounds=check_bounds)
 
 
-@pool_pytree
 class KOnlyPool(_HeadPool):
     """K-only pool (SGLang's `MHATokenToKOnlyPool`, MiniMax sparse index layers):
     `k_buffer[l] (rows, head_num, head_dim)` and no `v_buffer` attribute at all."""
 
     KIND = "k_only"
-    BUFFERS = ("k_buffer",)
-    k_buffer: tuple[jax.Array, ...]
 
-    def buffer_specs(self):
-        return (self._head_spec("k_buffer", self.head_dim),)
+    @classmethod
+    def create(
+        cls: type[_P],
+        *,
+        size: int,
+        page_size: int = 1,
+        dtype: DTypeLike = jnp.bfloat16,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        start_layer: int = 0,
+        sharding: Placement = None,
+    ) -> _P:
+        """Allocates a zeroed K-only pool, with no V buffer at all. The arguments every kind
+        takes, what `create` returns and raises: see `PoolBase`.
+
+        Args:
+            head_num: K heads per token.
+            head_dim: values per K head.
+
+        Example:
+            >>> pool = KOnlyPool.create(size=8, page_size=4, head_num=1, head_dim=16, layer_num=2)
+            >>> len(pool.k_buffer), pool.k_buffer[0].shape, hasattr(pool, "v_buffer")
+            (2, (12, 1, 16), False)
+        """
+        return cls._build(locals())  # every argument, by name
 
     def get_value_buffer(self, layer_id: int):
         raise NotImplementedError(_NO_V_READ.format(cls=type(self).__name__, layer=layer_id))
@@ -206,20 +245,21 @@ class KOnlyPool(_HeadPool):
         raise NotImplementedError(_NO_V_WRITE.format(cls=type(self).__name__))
 
 
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class _LatentPool(_KeyedPool):
     """MLA latent rows: `kv_buffer[l] (rows, 1, kv_lora_rank + qk_rope_head_dim)`. One latent
     row serves every head, so a `sharding` places it whole (replicated over tensor-parallel
     devices), never splits it."""
 
-    KEY_BUFFER = "kv_buffer"
+    KEY_PART = "kv"
     kv_lora_rank: int
     qk_rope_head_dim: int
+    kv_buffer: Layers = buffer(key="kv", rows=lambda p: p.latent_rows())
 
-    def _kv_spec(self) -> BufferSpec:
-        """The latent rows, replicated across tensor-parallel devices (every head reads them)."""
+    def latent_rows(self) -> Rows:
+        """One latent row per token, `(1, kv_lora_rank + qk_rope_head_dim)`, stored as the
+        pool's `store_dtype`."""
         row = (1, self.kv_lora_rank + self.qk_rope_head_dim)
-        return BufferSpec("kv_buffer", row, self.store_dtype, _kernels.RowCodec(self.dtype))
+        return Rows(row, self.store_dtype, _kernels.RowCodec(self.dtype))
 
     def get_value_buffer(self, layer_id: int) -> jax.Array:
         """The `[..., :kv_lora_rank]` part of the latent rows (SGLang's V view)."""
@@ -231,7 +271,7 @@ class _LatentPool(_KeyedPool):
     def get_mla_kv(self, layer_id: int, loc: ArrayLike) -> tuple[jax.Array, jax.Array]:
         """`(k_nope (T, 1, kv_lora_rank), k_rope (T, 1, qk_rope_head_dim))` at slots `loc`;
         out-of-range slots read as zeros."""
-        rows = self._decode_rows(self.read_slots("kv_buffer", layer_id, loc))
+        rows = self._decode_rows(self.read_slots("kv", layer_id, loc))
         return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
 
     def _decode_rows(self, bits: jax.Array) -> jax.Array:
@@ -242,7 +282,7 @@ class _LatentPool(_KeyedPool):
         """Refuses `set_mla_kv` parts this layout cannot store (none here)."""
 
     def set_kv(
-        self: _P,
+        self: _L,
         layer_id: int,
         loc: ArrayLike,
         cache_k: ArrayLike,
@@ -252,7 +292,7 @@ class _LatentPool(_KeyedPool):
         *,
         donate: bool = True,
         check_bounds: bool = False,
-    ) -> _P:
+    ) -> _L:
         """Stores the latent rows `cache_k (T, 1, kv_lora_rank + qk_rope_head_dim)`; `cache_v`
         and `v_scale` are ignored (K and V share the latent row, as in SGLang).
 
@@ -270,7 +310,7 @@ class _LatentPool(_KeyedPool):
         return self.set_k(layer_id, loc, cache_k, k_scale, donate=donate, check_bounds=check_bounds)
 
     def set_mla_kv(
-        self: _P,
+        self: _L,
         layer_id: int,
         loc: ArrayLike,
         k_nope: ArrayLike,
@@ -278,7 +318,7 @@ class _LatentPool(_KeyedPool):
         *,
         donate: bool = True,
         check_bounds: bool = False,
-    ) -> _P:
+    ) -> _L:
         """Writes `k_nope (T, 1, kv_lora_rank)` and `k_rope (T, 1, qk_rope_head_dim)` as one
         latent row per token.
 
@@ -294,23 +334,43 @@ class _LatentPool(_KeyedPool):
         """
         self._check_parts(k_nope, k_rope)
         shapes = (("k_nope", (1, self.kv_lora_rank)), ("k_rope", (1, self.qk_rope_head_dim)))
-        write = Write("kv_buffer", "k_nope/k_rope", (k_nope, k_rope), part_shapes=shapes)
+        write = Write("kv", "k_nope/k_rope", (k_nope, k_rope), part_shapes=shapes)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
 
 
-@pool_pytree
 class MLAPool(_LatentPool):
     """Multi-head latent attention pool (DeepSeek): one latent row per token and layer."""
 
     KIND = "mla"
-    BUFFERS = ("kv_buffer",)
-    kv_buffer: tuple[jax.Array, ...]
 
-    def buffer_specs(self):
-        return (self._kv_spec(),)
+    @classmethod
+    def create(
+        cls: type[_P],
+        *,
+        size: int,
+        page_size: int = 1,
+        dtype: DTypeLike = jnp.bfloat16,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        start_layer: int = 0,
+        sharding: Placement = None,
+    ) -> _P:
+        """Allocates a zeroed MLA pool: one latent row per token and layer. The arguments
+        every kind takes, what `create` returns and raises: see `PoolBase`.
+
+        Args:
+            kv_lora_rank: values of the latent part of a row.
+            qk_rope_head_dim: values of the rope part of a row.
+
+        Example:
+            >>> pool = MLAPool.create(size=4, kv_lora_rank=8, qk_rope_head_dim=2, layer_num=1)
+            >>> pool.kv_buffer[0].shape, pool.get_kv_size_bytes()
+            ((5, 1, 10), 100)
+        """
+        return cls._build(locals())  # every argument, by name
 
 
-@pool_pytree
 class NSAPool(_LatentPool):
     """Native sparse attention pool (DeepSeek V3.2): MLA latent rows plus, per layer,
     `index_k_with_scale_buffer[l]` uint8 `(pages, page_size * (index_head_dim + 4))`: each page
@@ -329,11 +389,41 @@ class NSAPool(_LatentPool):
     """
 
     KIND = "nsa"
-    BUFFERS = ("kv_buffer", "index_k_with_scale_buffer")
-    CREATE_DEFAULTS = {"page_size": 64, "index_head_dim": 128}
     index_head_dim: int
-    kv_buffer: tuple[jax.Array, ...]
-    index_k_with_scale_buffer: tuple[jax.Array, ...]
+    index_k_with_scale_buffer: Layers = buffer(
+        key="index_k", rows=lambda p: p.index_rows(), codec=_kernels.IndexCodec
+    )
+
+    @classmethod
+    def create(
+        cls: type[_P],
+        *,
+        size: int,
+        page_size: int = 64,
+        dtype: DTypeLike = jnp.bfloat16,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        index_head_dim: int = 128,
+        start_layer: int = 0,
+        sharding: Placement = None,
+    ) -> _P:
+        """Allocates a zeroed NSA pool: MLA's latent rows plus indexer keys packed per page.
+        The arguments every kind takes, what `create` returns and raises: see `PoolBase`.
+
+        Args:
+            kv_lora_rank: values of the latent part of a row (with an fp8 `dtype`, a multiple
+                of 128: the packed row quantises it in tiles of 128).
+            qk_rope_head_dim: values of the rope part of a row.
+            index_head_dim: values per indexer key.
+            page_size: tokens per page, by default 64 (SGLang's for NSA).
+
+        Example:
+            >>> pool = NSAPool.create(size=64, kv_lora_rank=8, qk_rope_head_dim=2, layer_num=1)
+            >>> pool.kv_buffer[0].shape, pool.index_k_with_scale_buffer[0].shape
+            ((128, 1, 10), (2, 8448))
+        """
+        return cls._build(locals())  # every argument, by name
 
     def check_sizes(self) -> None:
         if self.packed_fp8:
@@ -344,27 +434,31 @@ class NSAPool(_LatentPool):
         """Whether `kv_buffer` holds SGLang's packed fp8 rows (any fp8 `dtype`)."""
         return _dtypes.is_fp8(self.dtype)
 
-    def _kv_spec(self) -> BufferSpec:
+    def latent_rows(self) -> Rows:
+        """As MLA's, or with an fp8 `dtype` SGLang's packed rows: uint8 `(1, width)`, written
+        from floats of the latent's shape."""
         if not self.packed_fp8:
-            return super()._kv_spec()
-        codec = _packed_fp8.PackedFp8Codec(self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+            return super().latent_rows()
+        codec = self._packed_codec()
         value = (1, self.kv_lora_rank + self.qk_rope_head_dim)
-        return BufferSpec("kv_buffer", (1, codec.width), jnp.dtype(jnp.uint8), codec, value)
+        return Rows((1, codec.width), jnp.dtype(jnp.uint8), codec, value)
 
-    def _index_spec(self) -> BufferSpec:
-        codec = _kernels.IndexCodec(self.page_size, self.index_head_dim)
+    def _packed_codec(self) -> _packed_fp8.PackedFp8Codec:
+        return _packed_fp8.PackedFp8Codec(self.dtype, self.kv_lora_rank, self.qk_rope_head_dim)
+
+    def index_rows(self) -> Rows:
+        """A token's index record: `index_head_dim` fp8 key bytes then a 4-byte scale, packed
+        into its page; written from float keys `(index_head_dim,)`."""
         row = (self.index_head_dim + 4,)
-        return BufferSpec(
-            "index_k_with_scale_buffer", row, jnp.dtype(jnp.uint8), codec, (self.index_head_dim,)
-        )
+        return Rows(row, jnp.dtype(jnp.uint8), self._index_codec(), (self.index_head_dim,))
 
-    def buffer_specs(self):
-        return (self._kv_spec(), self._index_spec())
+    def _index_codec(self) -> _kernels.IndexCodec:
+        return _kernels.IndexCodec(self.page_size, self.index_head_dim)
 
     def _decode_rows(self, bits: jax.Array) -> jax.Array:
         if not self.packed_fp8:
             return super()._decode_rows(bits)
-        return _packed_fp8.dequantize(self.spec("kv_buffer").codec, bits)
+        return _packed_fp8.dequantize(self._packed_codec(), bits)
 
     def get_key_buffer(self, layer_id: int) -> jax.Array:
         """The whole latent buffer of `layer_id`: `(rows, 1, kv_lora_rank + qk_rope_head_dim)`
@@ -372,7 +466,7 @@ class NSAPool(_LatentPool):
         in float32; casting it to bfloat16 gives SGLang's `dequantize_k_cache`)."""
         if not self.packed_fp8:
             return super().get_key_buffer(layer_id)
-        return self._decode_rows(self.layer_buffer("kv_buffer", self.layer_index(layer_id)))
+        return self._decode_rows(self.part_layer("kv", layer_id))
 
     def _applied_scale(self, k_scale):
         # Packed fp8 rows carry a scale per tile and SGLang's packed writer takes no other:
@@ -386,13 +480,13 @@ class NSAPool(_LatentPool):
                     raise ValueError(
                         f"{arg}: uint8 raw bits cannot be split into parts of a packed fp8 row; "
                         "pass float values, or whole packed rows uint8 (T, 1, "
-                        f"{self.spec('kv_buffer').row_shape[-1]}) to set_k"
+                        f"{self.spec('kv').row_shape[-1]}) to set_k"
                     )
 
     def get_index_k(self, layer_id: int, loc: ArrayLike) -> jax.Array:
         """Dequantised index keys float32 `(T, index_head_dim)` at slots `loc`."""
-        records = self.read_slots("index_k_with_scale_buffer", layer_id, loc)
-        return self.spec("index_k_with_scale_buffer").codec.dequantize(records)
+        records = self.read_slots("index_k", layer_id, loc)
+        return self._index_codec().dequantize(records)
 
     def set_index_k(
         self,
@@ -422,5 +516,5 @@ class NSAPool(_LatentPool):
             TypeError: `index_k` that is not real numbers, or non-integer `loc`.
             ConsumedPoolError: this pool was consumed by an earlier update.
         """
-        write = Write("index_k_with_scale_buffer", "index_k", index_k)
+        write = Write("index_k", "index_k", index_k)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import PagedAllocator, ReqToTokenPool, TokenAllocator
+from jaxkv.errors import ConsumedPoolError
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -866,15 +867,56 @@ def test_req_to_token_pool_write_sets_the_row_slice():
         np.testing.assert_array_equal(np.asarray(pool.req_to_token), want)
 
 
-def test_req_to_token_pool_write_donates_the_old_table_by_default():
+_SPENT = r"ReqToTokenPool was consumed by write\(\); use the ReqToTokenPool it returned"
+
+
+def test_req_to_token_pool_write_consumes_the_old_pool_by_default():
     old = ReqToTokenPool(2, 4)
     new = old.write(1, 1, [3, 4])
     assert isinstance(new, ReqToTokenPool)
-    with pytest.raises(RuntimeError):
+    assert old.consumed and not new.consumed
+    # jaxkv's own error, naming the object and what to use, whether or not the backend
+    # donated the buffer: the object is marked, not its buffer inspected.
+    with pytest.raises(ConsumedPoolError, match=rf"ReqToTokenPool\.req_to_token: .*{_SPENT}"):
         np.asarray(old.req_to_token)
+    with pytest.raises(ConsumedPoolError, match=rf"ReqToTokenPool\.write\(\): .*{_SPENT}"):
+        old.write(1, 0, [9])
+    with pytest.raises(ConsumedPoolError, match=_SPENT):  # refused before its arguments
+        old.write(99, 0, [9])
     np.testing.assert_array_equal(
         np.asarray(new.req_to_token), [[0, 0, 0, 0], [0, 3, 4, 0], [0, 0, 0, 0]]
     )
+
+
+def test_req_to_token_pool_rows_stay_shared_through_a_consumed_pool():
+    # Row bookkeeping is the chain's, not the table's: an old reference still allocates and
+    # frees for all of them (SGLang callers hold the pool across writes).
+    old = ReqToTokenPool(3, 4)
+    (row,) = old.alloc(1)
+    new = old.write(row, 0, [5])
+    assert old.consumed
+    assert old.available_size() == new.available_size() == 2
+    old.free(row)
+    assert new.available_size() == 3
+    assert new.alloc(1) == [row]
+    old.clear()
+    assert new.available_size() == 3
+
+
+def test_req_to_token_pool_donate_false_leaves_the_old_pool_usable():
+    old = ReqToTokenPool(2, 4)
+    new = old.write(1, 0, [3], donate=False)
+    assert not old.consumed
+    old.write(2, 0, [4])  # still a live pool: it may be written (and so consumed) itself
+    np.testing.assert_array_equal(np.asarray(new.req_to_token)[1:, 0], [3, 0])
+
+
+def test_req_to_token_pool_refused_write_consumes_nothing():
+    pool = ReqToTokenPool(2, 4)
+    with pytest.raises(IndexError):
+        pool.write(1, 3, [1, 2])
+    assert not pool.consumed
+    np.testing.assert_array_equal(np.asarray(pool.req_to_token), np.zeros((3, 4)))
 
 
 def test_req_to_token_pool_write_keeps_the_old_table_with_donate_false():

@@ -10,6 +10,7 @@ import pytest
 from conftest import raw_rows
 
 import jaxkv
+from jaxkv import testing
 from jaxkv.connector import HostStore, KVConnector
 
 TOKENS = np.arange(64) % 7 + 3
@@ -99,11 +100,11 @@ def test_snapshot_is_taken_before_return_so_the_pool_can_be_donated_at_once(pinn
     want = raw_rows(pool, SLOTS)
     store = GatedStore(1 << 22)  # nothing reaches the store until the pool has been overwritten
     conn = KVConnector(pool, store, transfer="pinned" if pinned else None)
-    pointer = pool.k_buffer[0].unsafe_buffer_pointer()
+    pointers = testing.buffer_pointers(pool)
     future = conn.store_async(pool, TOKENS, SLOTS)
     step = jax.jit(lambda p, loc, k: p.set_kv(0, loc, k, k), donate_argnums=0)
     pool = step(pool, jnp.asarray(SLOTS), jnp.zeros((64, 2, 8), jnp.bfloat16))
-    assert pool.k_buffer[0].unsafe_buffer_pointer() == pointer  # no live export held it
+    testing.assert_updated_in_place(pointers, pool)  # no live export held a buffer
     store.allow()
     assert future.result(timeout=30) == 4
     pool, n = conn.load(pool, TOKENS, SLOTS + 100)
@@ -126,7 +127,7 @@ def test_lookup_counts_and_load_waits_for_blocks_in_flight(monkeypatch):
     assert conn.lookup(TOKENS) == 64  # promised: being written
     assert conn.stats()["pending_blocks"] == 4
     # The load starts while the first block is still held, so it must wait instead of missing.
-    waits = Arrivals(conn, "_wait_pending", monkeypatch)
+    waits = Arrivals(conn._writes, "wait_for", monkeypatch)
     loader, out = _in_thread(lambda: conn.load(pool, TOKENS, SLOTS + 100))
     waits.wait_for(1)
     assert loader.is_alive() and not future.done()
@@ -144,7 +145,7 @@ def test_flush_waits_for_every_pending_write_and_max_pending_bounds_the_queue(mo
     pool = _pool()
     store = GatedStore(1 << 22)
     conn = KVConnector(pool, store, max_pending=1)
-    rooms = Arrivals(conn._room, "acquire", monkeypatch)
+    rooms = Arrivals(conn._writes._room, "acquire", monkeypatch)
     first = conn.store_async(pool, TOKENS, SLOTS)
     # The second call waits for room behind `first`, held at the gate: it returns only after
     # all of `first`'s 4 blocks are written (its own stay held).

@@ -37,9 +37,7 @@ class Relabelling(HostStore):
         return super().get_many([self.swap.get(k, k) for k in keys], stop_at_miss=stop_at_miss)
 
     def contains_many(self, keys, *, stop_at_miss=False):
-        return super().contains_many(
-            [self.swap.get(k, k) for k in keys], stop_at_miss=stop_at_miss
-        )
+        return super().contains_many([self.swap.get(k, k) for k in keys], stop_at_miss=stop_at_miss)
 
     def discard(self, key):
         self.discards.append(key)
@@ -214,7 +212,9 @@ _ANSWERS = st.one_of(
     st.integers(-2, 2),
     st.text(max_size=3),
     st.binary(max_size=3),
-    st.lists(st.one_of(st.none(), st.booleans(), st.integers(0, 1), st.text(max_size=1)), max_size=4),
+    st.lists(
+        st.one_of(st.none(), st.booleans(), st.integers(0, 1), st.text(max_size=1)), max_size=4
+    ),
     st.dictionaries(st.text(max_size=3), st.one_of(st.integers(), st.text(max_size=2)), max_size=3),
     st.sampled_from([ValueError("v"), TypeError("t"), OSError("o"), LookupError("l")]),
 )

@@ -18,7 +18,7 @@ import pytest
 from conftest import random_mha_pool, raw_rows
 
 from jaxkv import MHAPool
-from jaxkv.connector import DiskStore, HostStore, KVConnector, TieredStore
+from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector, TieredStore
 from jaxkv.connector.disk import FileOps
 
 BS = 16
@@ -60,7 +60,19 @@ def _wrap(name):
     return method
 
 
-for _name in ("makedirs", "write", "replace", "read", "head", "listdir", "stat", "unlink"):
+_OPS = (
+    "makedirs",
+    "mkdir",
+    "write",
+    "replace",
+    "read",
+    "head",
+    "listdir",
+    "stat",
+    "touch",
+    "unlink",
+)
+for _name in _OPS:
     setattr(FaultyOps, _name, _wrap(_name))
 
 
@@ -98,7 +110,7 @@ def _assert_consistent(conn, store, root):
 @pytest.mark.parametrize(
     "op, code",
     [
-        ("makedirs", errno.ENOSPC),
+        ("mkdir", errno.ENOSPC),
         ("write", errno.ENOSPC),
         ("write", errno.EACCES),
         ("replace", errno.EROFS),
@@ -133,7 +145,7 @@ def test_a_write_fault_mid_store_is_a_counted_dropped_write(tmp_path, op, code, 
 def test_strict_store_and_strict_connector_raise_the_io_error(tmp_path):
     store, fs = _disk(tmp_path, strict=True)
     conn = KVConnector(_pool(), store)
-    fs.fail("makedirs", errno.ENOSPC, after=2)
+    fs.fail("mkdir", errno.ENOSPC, after=2)
     with pytest.raises(OSError) as err:
         conn.store(_pool(), TOKENS, SLOTS)
     assert err.value.errno == errno.ENOSPC
@@ -242,7 +254,7 @@ def test_a_strict_tier_raises_through_a_stack_and_what_faster_tiers_stored_count
     disk, fs = _disk(tmp_path, strict=True)
     host = HostStore(1 << 20)
     conn = KVConnector(_pool(), TieredStore(host, disk))  # a lenient connector
-    fs.fail("makedirs", errno.ENOSPC, after=2)
+    fs.fail("mkdir", errno.ENOSPC, after=2)
     with pytest.raises(OSError) as err:
         conn.store(_pool(), TOKENS, SLOTS)
     assert err.value.errno == errno.ENOSPC
@@ -319,3 +331,133 @@ def test_lookup_and_load_count_apart(tmp_path):
     assert (st["lookups"], st["lookup_hits"], st["lookup_misses"]) == (1, 2, 2)
     assert (st["loads"], st["hits"], st["misses"], st["blocks_loaded"]) == (1, 2, 2, 2)
     assert (st["store"]["hits"], st["store"]["misses"]) == (2, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# What a store promises when it cannot remove a file, and failures after a write landed
+
+
+def _records(n: int) -> list[BlockRecord]:
+    return [
+        BlockRecord(f"{i:064x}", "layout", "tokens", {"k": np.full((2, 4), i, np.float32)})
+        for i in range(n)
+    ]
+
+
+def _damage_payload(store, key) -> None:
+    path = os.path.join(store.path, key[:2], key + ".kvb")
+    with open(path, "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-8, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_damaged_file_that_cannot_be_removed_is_not_promised_again(tmp_path):
+    store, fs = _disk(tmp_path)
+    (record,) = _records(1)
+    assert store.put(record)
+    _damage_payload(store, record.key)
+    fs.fail("unlink", errno.EACCES)  # a folder where this process may not remove files
+    assert store.contains(record.key) is True  # the header and size are whole
+    assert store.get(record.key) is None
+    st = store.stats()
+    assert (st["verification_failures"], st["io_errors"]) == (1, 1)
+    assert store.contains(record.key) is False and store.get(record.key) is None
+    assert store.put(record) is True  # the rename still replaces it
+    np.testing.assert_array_equal(store.get(record.key).parts["k"], record.parts["k"])
+    assert store.contains(record.key) is True
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_discard_that_cannot_remove_the_file_stops_serving_it(tmp_path, strict):
+    store, fs = _disk(tmp_path, strict=strict)
+    (record,) = _records(1)
+    assert store.put(record)
+    fs.fail("unlink", errno.EACCES)
+    if strict:
+        with pytest.raises(PermissionError):
+            store.discard(record.key)
+    else:
+        assert store.discard(record.key) is False
+    st = store.stats()
+    assert (st["discarded"], st["io_errors"]) == (0, 1)
+    assert store.contains(record.key) is False and store.get(record.key) is None
+    fs.clear()
+    assert store.put(record) is True and store.get(record.key) is not None
+    assert store.discard(record.key) is True and store.stats()["discarded"] == 1
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failed_eviction_is_not_counted_nor_fails_the_write_that_landed(tmp_path, strict):
+    records = _records(4)
+    probe = DiskStore(tmp_path / "probe")
+    probe.put(records[0])
+    size = probe.nbytes
+    store, fs = _disk(tmp_path, capacity_bytes=2 * size, strict=strict)
+    assert store.put_many(records[:2]) == [True, True]
+    fs.fail("unlink", errno.EACCES)
+    assert store.put_many(records[2:]) == [True, True]  # each evicts, and removing fails
+    st = store.stats()
+    assert st["evictions"] == 0 and st["io_errors"] >= 2 and st["blocks_stored"] == 4
+    assert _kvb_files(tmp_path / "blocks") == 4
+    fs.clear()
+    assert store.put(_records(5)[4])  # removals work again: the rescan finds all five files
+    assert store.stats()["evictions"] == 3 and _kvb_files(tmp_path / "blocks") == 2
+
+
+@pytest.mark.parametrize("stored_first", [0, 2])
+def test_a_failed_promotion_keeps_the_records_read(tmp_path, stored_first):
+    records = _records(4)
+    slow = DiskStore(tmp_path / "slow")
+    slow.put_many(records)
+    fast, fs = _disk(tmp_path / "fast", strict=True)
+    fs.fail("mkdir", errno.ENOSPC, after=stored_first)  # the fast disk fills up
+    stack = TieredStore(fast, slow)
+    got = stack.get_many([r.key for r in records])
+    assert [g.key for g in got] == [r.key for r in records]
+    st = stack.stats()
+    assert st["promotions"] == stored_first == len(fast)
+    assert st["io_errors"] == st["tiers"][0]["io_errors"] == 1  # the strict tier stopped there
+    assert st["hits"] == 4
+
+
+def test_a_strict_connector_loads_what_a_failed_promotion_read(tmp_path):
+    src = _pool()
+    slow = DiskStore(tmp_path / "slow")
+    KVConnector(src, slow).store(src, TOKENS, SLOTS)
+    fast, fs = _disk(tmp_path / "fast")
+    fs.fail("write", errno.ENOSPC)
+    conn = KVConnector(src, TieredStore(fast, slow), strict=True)
+    dst, n = conn.load(_pool(1), TOKENS, SLOTS + 60)
+    assert n == N_BLOCKS * BS
+    np.testing.assert_array_equal(raw_rows(dst, SLOTS + 60), raw_rows(src, SLOTS))
+    # The strict write stopped at its first failure, counted once (the store's count).
+    assert fast.stats()["io_errors"] == conn.stats()["io_errors"] == 1 and len(fast) == 0
+
+
+def test_a_stack_set_strict_raises_its_tiers_io_errors(tmp_path):
+    disk, fs = _disk(tmp_path)
+    (record,) = _records(1)
+    stack = TieredStore(HostStore(1 << 20), disk)
+    disk.put(record)
+    fs.fail("read", errno.EIO)
+    assert stack.get(record.key) is None  # lenient: a counted miss
+    stack.strict = True
+    with pytest.raises(OSError) as err:
+        stack.get(record.key)
+    assert err.value.errno == errno.EIO
+    assert disk.stats()["io_errors"] == 2 and not disk.strict  # the tier's own flag is as set
+
+
+def test_a_stack_discards_from_every_tier_before_raising_a_tiers_error(tmp_path):
+    first, fs = _disk(tmp_path / "a", strict=True)
+    second = DiskStore(tmp_path / "b")
+    (record,) = _records(1)
+    stack = TieredStore(first, second)
+    assert stack.put(record)
+    fs.fail("unlink", errno.EACCES)
+    with pytest.raises(PermissionError):
+        stack.discard(record.key)
+    assert not second.contains(record.key) and not first.contains(record.key)
+    assert stack.stats()["discarded"] == 1

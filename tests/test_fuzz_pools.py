@@ -119,16 +119,16 @@ def _model(pool) -> dict[str, list[np.ndarray]]:
     out = {}
     for spec in pool.buffer_specs():
         layers = []
-        for buf in pool.buffers(spec.name):
+        for buf in pool.buffers(spec.attr):
             bits = host(buf)
-            if spec.name == "index_k_with_scale_buffer":
+            if spec.attr == "index_k_with_scale_buffer":
                 records = _index_records(bits, pool.page_size, pool.index_head_dim)
                 layers.append(_dequant_index(records, pool.index_head_dim))
-            elif spec.name == "kv_buffer":
+            elif spec.attr == "kv_buffer":
                 layers.append(latent_read_ref(pool, bits))
             else:
                 layers.append(decode_ref(bits, pool.dtype))
-        out[spec.name] = layers
+        out[spec.attr] = layers
     return out
 
 
@@ -380,8 +380,8 @@ def test_create_is_right_or_refuses_naming_the_argument(data, kind):
         return
     event(f"{spoiled}: right result")
     for spec in pool.buffer_specs():
-        assert len(pool.buffers(spec.name)) == pool.layer_num
-        for buf in pool.buffers(spec.name):
-            assert buf.shape == spec.codec.buffer_shape(pool.rows, spec.row_shape)
+        assert len(pool.buffers(spec.attr)) == pool.layer_num
+        for buf in pool.buffers(spec.attr):
+            assert buf.shape == spec.layer_shape(pool.rows)
             assert not host(buf).any()
     assert pool.size == int(args["size"]) and pool.start_layer == int(args.get("start_layer", 0))

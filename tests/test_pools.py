@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import pickle
 import re
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 from conftest import run_python
 
 import jaxkv
+from jaxkv.connector._layout import describe
 
 FP8 = [jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)]
 LATENT_KINDS = ["mla", "nsa"]
@@ -279,19 +282,191 @@ def test_pytree_rebuilt_pool_flattens_to_its_own_buffers(kv, pool_kind):
 
 
 def test_jit_over_two_equal_pools_traces_once(kv, pool_kind):
-    traces = []
+    chex.clear_trace_counter()  # chex counts per source text: every parametrization anew
 
     @jax.jit
+    @chex.assert_max_traces(n=1)
     def read_first_rows(pool):
-        traces.append(1)
         return pool.get_key_buffer(pool.start_layer)[:2]
 
     loc = np.array([0, 1])
     a = kv.fill_all(kv.make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(0))
     b = kv.fill_all(kv.make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(1))
-    ra, rb = read_first_rows(a), read_first_rows(b)
-    assert len(traces) == 1
+    ra, rb = read_first_rows(a), read_first_rows(b)  # a second trace would raise
     assert not kv.same_bits(kv.host(ra), kv.host(rb)), "each call read its own pool"
+
+
+# ---- one declaration per kind ----------------------------------------------------------------
+
+# The part key each buffer attribute is exported under (the keys of a block record's parts).
+PART_KEYS = {
+    "k_buffer": "k",
+    "v_buffer": "v",
+    "kv_buffer": "kv",
+    "index_k_with_scale_buffer": "index_k",
+}
+
+
+class _Mirror:
+    """Another framework's pool holding the same buffers as host arrays (SGLang's attributes)."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+def _mirror(pool) -> _Mirror:
+    buffers = {a: [np.asarray(b) for b in getattr(pool, a)] for a in type(pool).BUFFERS}
+    sizes = dict(dtype=pool.dtype, page_size=pool.page_size, start_layer=pool.start_layer)
+    return _Mirror(**buffers, **sizes)
+
+
+def assert_one_description(pool) -> None:
+    """Every description of `pool`'s buffers agrees: its declared buffer fields, its pytree
+    leaves and key paths, its static fields (no arrays), `buffer_specs`, the connector's layout
+    and the layout of a foreign object holding the same buffers, and `get_kv_size_bytes`."""
+    cls = type(pool)
+    declared = cls.BUFFERS
+    assert declared, f"{cls.__name__} declares no buffers"
+    for f in dataclasses.fields(pool):
+        if f.name not in declared:
+            value = getattr(pool, f.name)
+            arrays = [x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array)]
+            assert not arrays, f"{f.name} holds arrays but is no declared buffer"
+            hash(value)  # static metadata is hashable
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(pool)[0])
+    assert [jax.tree_util.keystr(p) for p in paths] == [
+        f".{a}[{li}]" for a in declared for li in range(pool.layer_num)
+    ], "the pytree's leaves are the declared buffers, in order"
+    assert [id(x) for x in leaves] == [id(b) for a in declared for b in getattr(pool, a)]
+    specs = pool.buffer_specs()
+    assert tuple(s.attr for s in specs) == declared, "one spec per declared buffer, in order"
+    assert len({s.key for s in specs}) == len(specs), "part keys are distinct"
+    for s in specs:
+        for buf in getattr(pool, s.attr):
+            assert buf.shape == s.layer_shape(pool.rows) and buf.dtype == s.bits_dtype, s.attr
+    theirs = describe(pool)
+    assert theirs.parts == specs, "the connector's parts are the pool's specs"
+    foreign = describe(_mirror(pool))
+    assert [(p.attr, p.key, p.row_shape, p.bits_dtype) for p in foreign.parts] == [
+        (s.attr, s.key, s.row_shape, s.bits_dtype) for s in specs
+    ], "a foreign object with the same buffers is described alike"
+    assert (foreign.kind, foreign.fingerprint(16)) == (theirs.kind, theirs.fingerprint(16))
+    size = pool.get_kv_size_bytes()
+    by_key = {s.key: sum(int(b.nbytes) for b in getattr(pool, s.attr)) for s in specs}
+    total = sum(size) if isinstance(size, tuple) else size
+    assert total == sum(by_key.values()), f"get_kv_size_bytes: {size}, buffers: {by_key}"
+    if isinstance(size, tuple):
+        assert size == (by_key.get("k", 0), by_key.get("v", 0)), f"{size} for {by_key}"
+
+
+def test_each_kind_describes_its_buffers_once(kv, pool_kind, pool_dtype):
+    pool = kv.make_pool(pool_kind, pool_dtype)
+    assert type(pool).BUFFERS == kv.buffer_names(pool_kind)
+    assert [s.key for s in pool.buffer_specs()] == [PART_KEYS[a] for a in type(pool).BUFFERS]
+    assert_one_description(pool)
+
+
+def test_a_kind_declared_inconsistently_fails_the_agreement_check(kv):
+    class ForgetsTheIndex(jaxkv.NSAPool):
+        def get_kv_size_bytes(self):
+            return self.part_bytes("kv")
+
+    class Reordered(jaxkv.MHAPool):
+        def buffer_specs(self):
+            return super().buffer_specs()[::-1]
+
+    class KeepsArraysStatic(jaxkv.MLAPool):
+        scales: tuple = ()
+
+    good = kv.make_pool("mha")
+    assert_one_description(good)
+    hidden = KeepsArraysStatic.create(**kv.small("mla"))
+    broken = [
+        (ForgetsTheIndex.create(**kv.small("nsa")), "get_kv_size_bytes"),
+        (Reordered.create(**kv.small("mha")), "one spec per declared buffer"),
+        (dataclasses.replace(hidden, scales=(jnp.ones(3),)), "scales holds arrays"),
+    ]
+    for pool, why in broken:
+        with pytest.raises(AssertionError, match=why):
+            assert_one_description(pool)
+
+
+def test_a_kind_whose_declarations_contradict_themselves_is_refused_when_defined():
+    with pytest.raises(TypeError, match=r"distinct part key per buffer, got \['k'\]"):
+
+        class TwoKeys(jaxkv.MHAPool):
+            v_buffer: tuple = jaxkv.pools.buffer(key="k", rows=lambda p: p.head_rows(1))
+
+    with pytest.raises(TypeError, match=r"WiderPool.create: .*missing \['extra'\]"):
+
+        class WiderPool(jaxkv.MHAPool):
+            extra: int
+
+    class IndexAsRows(jaxkv.NSAPool):
+        def index_rows(self):
+            return self.latent_rows()
+
+    with pytest.raises(TypeError, match="index_k_with_scale_buffer: expected rows laid out by"):
+        IndexAsRows.create(size=64, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1)
+
+
+_REQUIRED = inspect.Parameter.empty
+_COMMON_HEAD = [("size", _REQUIRED), ("page_size", 1), ("dtype", jnp.bfloat16)]
+_COMMON_TAIL = [("start_layer", 0), ("sharding", None)]
+_HEADS = [("head_num", _REQUIRED), ("head_dim", _REQUIRED), ("layer_num", _REQUIRED)]
+_LATENT = [("kv_lora_rank", _REQUIRED), ("qk_rope_head_dim", _REQUIRED), ("layer_num", _REQUIRED)]
+CREATE_SIGNATURES = {
+    "mha": _COMMON_HEAD + _HEADS + [("v_head_dim", None)] + _COMMON_TAIL,
+    "konly": _COMMON_HEAD + _HEADS + _COMMON_TAIL,
+    "mla": _COMMON_HEAD + _LATENT + _COMMON_TAIL,
+    "nsa": [("size", _REQUIRED), ("page_size", 64), ("dtype", jnp.bfloat16)]
+    + _LATENT
+    + [("index_head_dim", 128)]
+    + _COMMON_TAIL,
+}
+
+
+def test_create_signatures_are_the_documented_ones(kv, pool_kind):
+    """`create` is a plain keyword-only classmethod of each kind, its arguments in the order and
+    with the defaults the reference documents (what `help` and type checkers show)."""
+    cls = kv.POOL_CLASSES[pool_kind]
+    assert isinstance(cls.__dict__["create"], classmethod)
+    params = inspect.signature(cls.create).parameters.values()
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+    assert [(p.name, p.default) for p in params] == CREATE_SIGNATURES[pool_kind]
+
+
+_TYPED_CALLS = """
+import jax.numpy as jnp
+import jaxkv
+
+reveal_type(jaxkv.MHAPool.create(size=8, head_num=1, head_dim=2, layer_num=1))
+reveal_type(jaxkv.KOnlyPool.create(size=8, head_num=1, head_dim=2, layer_num=1))
+reveal_type(jaxkv.MLAPool.create(size=8, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1))
+reveal_type(jaxkv.NSAPool.create(size=64, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1))
+jaxkv.MHAPool.create(size=8, head_num=1, head_dim=2)
+jaxkv.MLAPool.create(8, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=1)
+"""
+
+
+@pytest.mark.slow
+def test_type_checkers_see_each_kind_s_create(tmp_path, monkeypatch):
+    """mypy reads `create` from the source: each kind's result type, and its documented
+    keyword-only arguments (a missing one, or a positional one, is an error)."""
+    api = pytest.importorskip("mypy.api")
+    monkeypatch.chdir(REPO)  # mypy finds the package under test first
+    script = tmp_path / "calls.py"
+    script.write_text(_TYPED_CALLS)
+    cache = str(tmp_path / "cache")
+    out, err, _ = api.run(
+        [str(script), "--follow-imports=silent", "--ignore-missing-imports", "--cache-dir", cache]
+    )
+    assert not err, err
+    for kind in ("MHAPool", "KOnlyPool", "MLAPool", "NSAPool"):
+        assert f'Revealed type is "jaxkv.pools.{kind}"' in out, out
+    assert 'has no attribute "create"' not in out, out
+    assert 'Missing named argument "layer_num"' in out, out
+    assert "Too many positional arguments" in out, out
 
 
 # ---- layer ids -------------------------------------------------------------------------------

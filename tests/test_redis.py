@@ -2,11 +2,12 @@
 
 Bit-exact round trips for every pool kind; two processes (two serving hosts) sharing a prefix;
 one round trip per call whatever the number of blocks; verification (a bad record is a miss and
-is deleted); the server killed, stopped (slow) and restarted under a running store/lookup/load
+is deleted; a key holding another type or an empty string is no block, and is deleted);
+`discard`; the server killed, stopped (slow) and restarted under a running store/lookup/load
 loop: misses within the timeout, nothing raised, no wrong data, recovery; the server's LRU
 evicting under `maxmemory`; promotion from Redis into host memory.
 
-The server comes from `jaxkv.connector._redis_server`. Without `redis-server` (or redis-py)
+The server comes from `tests/redis_server.py`. Without `redis-server` (or redis-py)
 these tests skip, naming what is missing, except under CI (`CI` set), where they fail.
 """
 
@@ -23,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO, run_python
+from redis_server import MISSING, LocalRedis
 from test_connector import KINDS, _fill, _make_pool, _roundtrip
 
 from jaxkv import MHAPool
 from jaxkv.connector import HostStore, KVConnector, RedisStore, TieredStore, _records
 from jaxkv.connector import remote as remote_module
-from jaxkv.connector._redis_server import MISSING, LocalRedis
 
 BS = 16
 
@@ -190,6 +191,58 @@ def test_a_record_failing_verification_is_a_miss_and_is_deleted(server):
     assert conn.load(dst, tokens, np.arange(64, 64 + 3 * BS))[1] == 3 * BS
 
 
+@pytest.mark.parametrize("value", [[b"a list"], b""], ids=["a list", "an empty string"])
+def test_a_key_holding_no_record_is_not_promised_and_the_next_store_repairs_it(server, value):
+    """A list (another type) or an empty string under a block key: `EXISTS` would say 1 and
+    `SET NX` never replaces it, so a lookup would promise a block no load serves, forever."""
+    import redis
+
+    pool, dst = _mha(13), _mha(14)
+    store = _store(server)
+    conn = KVConnector(pool, store)
+    tokens = np.arange(3 * BS) + 500
+    keys = conn.block_hashes(tokens)
+    client = redis.Redis.from_url(server.url)
+    assert conn.store(pool, tokens, np.arange(3 * BS)) == 3
+    name = store.key_prefix + keys[1]
+    client.delete(name)
+    if isinstance(value, list):
+        client.rpush(name, *value)
+    else:
+        client.set(name, value)
+    assert conn.lookup(tokens) == BS  # the first block only
+    dst, n = conn.load(dst, tokens, np.arange(64, 64 + 3 * BS))
+    assert n == BS
+    assert client.exists(name) == 0  # deleted by the lookup (list) or the load (empty)
+    assert store.stats()["verification_failures"] == 1
+    assert conn.store(pool, tokens, np.arange(3 * BS)) == 1
+    assert conn.lookup(tokens) == 3 * BS
+    dst, n = conn.load(dst, tokens, np.arange(64, 64 + 3 * BS))
+    assert n == 3 * BS
+    np.testing.assert_array_equal(
+        _raw_rows(dst, np.arange(64, 64 + 3 * BS)).view(np.uint32),
+        _raw_rows(pool, np.arange(3 * BS)).view(np.uint32),
+    )
+
+
+def test_discard_deletes_the_record_so_the_next_store_writes_it_again(server):
+    pool = _mha(15)
+    store = _store(server)
+    conn = KVConnector(pool, store)
+    tokens = np.arange(2 * BS) + 900
+    assert conn.store(pool, tokens, np.arange(2 * BS)) == 2
+    key = conn.block_hashes(tokens)[1]
+    trips = store.stats()["round_trips"]
+    assert store.discard(key) is True
+    assert store.discard(key) is False  # nothing left to remove
+    assert store.stats()["round_trips"] == trips + 2
+    assert conn.lookup(tokens) == BS
+    assert conn.store(pool, tokens, np.arange(2 * BS)) == 1
+    assert conn.lookup(tokens) == 2 * BS
+    stats = store.stats()
+    assert (stats["discarded"], stats["undiscarded"], stats["io_errors"]) == (1, 0, 0)
+
+
 # --------------------------------------------------------------------------------------------
 # Faults
 
@@ -311,20 +364,43 @@ def test_without_redis_py_jaxkv_imports_and_the_store_names_the_extra(monkeypatc
         importlib.reload(remote_module)
 
 
+URL = "redis://127.0.0.1:1/0"
+TIMES = ("timeout_s", "retry_after_s", "max_retry_after_s")
+
+
 @pytest.mark.parametrize(
     "url,kwargs,error,name",
     [
-        ("redis://127.0.0.1:1/0", {"timeout_s": 0}, ValueError, "timeout_s"),
-        ("redis://127.0.0.1:1/0", {"retry_after_s": -1}, ValueError, "retry_after_s"),
-        ("redis://127.0.0.1:1/0", {"key_prefix": 3}, TypeError, "key_prefix"),
+        (URL, {"timeout_s": 0}, ValueError, "timeout_s"),
+        (URL, {"retry_after_s": -1}, ValueError, "retry_after_s"),
+        (URL, {"key_prefix": 3}, TypeError, "key_prefix"),
+        (URL, {"key_prefix": "jaxkv-\ud800:"}, ValueError, "key_prefix"),
+        ("redis://127.0.0.1:1/\ud800", {}, ValueError, "url"),
+        (URL + "?decode_responses=True", {}, ValueError, "url"),
         ("http://127.0.0.1:1/0", {}, ValueError, "url"),
         (None, {}, TypeError, "url"),
+        (URL, {"retry_after_s": 5, "max_retry_after_s": 1}, ValueError, "max_retry_after_s"),
+    ]
+    + [
+        (URL, {arg: value}, ValueError, arg)
+        for arg in TIMES
+        for value in (float("inf"), float("-inf"), float("nan"), 1e300, 10**400, 86400.5, True, "1")
     ],
 )
 def test_bad_arguments_name_themselves(url, kwargs, error, name):
     pytest.importorskip("redis")
     with pytest.raises(error, match=f"^{name}: expected"):
         RedisStore(url, **kwargs)
+
+
+def test_times_up_to_a_day_are_taken_and_the_longest_wait_follows_the_first():
+    pytest.importorskip("redis")
+    store = RedisStore(URL, **dict.fromkeys(TIMES, remote_module.MAX_SECONDS))
+    assert (store.timeout_s, store.retry_after_s, store.max_retry_after_s) == (86400.0,) * 3
+    assert RedisStore(URL, retry_after_s=60).max_retry_after_s == 60  # not below the first
+    assert RedisStore(URL).max_retry_after_s == 30
+    with pytest.raises(ValueError, match=r"in \(0, 86400\], got inf$"):
+        RedisStore(URL, timeout_s=float("inf"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,9 +11,17 @@ import pytest
 from conftest import SMALL_DECODER as SMALL
 from conftest import run_python
 
-from jaxkv import demo
-from jaxkv.connector import DiskStore, HostStore
-from jaxkv.models import LOGIT_BOUNDS, Decoder, DecoderConfig, Engine, Request
+from jaxkv import PagedAllocator, ReqToTokenPool, demo
+from jaxkv.connector import DiskStore, HostStore, KVConnector
+from jaxkv.models import (
+    LOGIT_BOUNDS,
+    CompiledSteps,
+    Decoder,
+    DecoderConfig,
+    Engine,
+    Request,
+    params_fingerprint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.dtype(jnp.bfloat16)
@@ -154,15 +162,8 @@ def test_one_decode_step_writes_its_row_in_place():
     assert np.abs(k[37]).sum() > 0 and np.abs(k[38:]).sum() == 0
 
 
-def test_engine_rejects_bad_requests_and_tiny_pools():
+def test_engine_rejects_tiny_pools():
     model, params = small_model()
-    engine = Engine(model, params, **ENGINE)
-    with pytest.raises(ValueError, match=r"requests\[0\]: prompt \(130\).*max_context=128"):
-        engine.generate([Request(np.zeros(130, np.int32), 1)])
-    with pytest.raises(ValueError, match=r"requests\[1\]: expected a non-empty prompt"):
-        engine.generate([Request(np.zeros(3, np.int32), 1), Request(np.zeros(0, np.int32), 1)])
-    with pytest.raises(ValueError, match=r"requests\[0\]: expected token ids in \[0, 258\)"):
-        engine.generate([Request(np.array([3, 258]), 1)])
     tiny = Engine(model, params, pool_size=32, page_size=16, max_batch=2, max_context=128)
     with pytest.raises(RuntimeError, match="pool too small"):
         tiny.generate([Request(np.zeros(40, np.int32), 2)])
@@ -239,3 +240,202 @@ def test_readme_model_walkthrough_runs():
     slot = int(scope["new"][0])
     assert float(scope["pool"].get_key_buffer(0)[slot, 0, 0]) == 1.0
     assert scope["out"].shape == (2, 1, 2, 64)
+
+
+# --------------------------------------------------------------------------------------------
+# Whose KV: the default namespace covers the weights
+
+
+def test_params_fingerprint_covers_every_leafs_path_dtype_shape_and_bytes():
+    _, params = small_model()
+    fp = params_fingerprint(params)
+    assert len(fp) == 64 and int(fp, 16) >= 0
+    # Canonical: the dict's order and the arrays' home (device or host) do not matter.
+    assert params_fingerprint(dict(reversed(list(params.items())))) == fp
+    assert params_fingerprint(jax.tree.map(np.asarray, params)) == fp
+    w = np.arange(12, dtype=np.float32)
+    others = [
+        {"a": w, "b": w + 1},
+        {"a": w + 1, "b": w},  # the same bytes at swapped paths
+        {"a": w.view(np.int32), "b": w + 1},  # the same bits as another dtype
+        {"a": w.reshape(3, 4), "b": w + 1},  # the same bytes in another shape
+        {"a": jnp.asarray(w, jnp.bfloat16), "b": w + 1},
+        {"a": w, "b": w + 1, "c": 0.0},
+    ]
+    assert len({params_fingerprint(p) for p in others}) == len(others)
+    with pytest.raises(TypeError, match=r"params\['x'\]: expected numeric array data"):
+        params_fingerprint({"x": np.array([object()])})
+
+
+def test_engines_with_other_weights_never_reuse_each_others_kv():
+    model, params = small_model()
+    store = HostStore(1 << 26)
+    [request] = shared_prefix_requests(seed=5)[:1]
+    a = Engine(model, params, store=store, **ENGINE)
+    a.generate([request])
+    a.close()
+    # Same config, other weights (a fine-tune of A, say): A's blocks are not B's KV.
+    scaled = jax.tree.map(lambda x: x * 1.5, params)
+    b = Engine(model, scaled, store=store, **ENGINE)
+    [got] = b.generate([request])
+    b.close()
+    [own] = Engine(model, scaled, **ENGINE).generate([request])
+    assert got.reused_tokens == 0
+    np.testing.assert_array_equal(got.tokens, own.tokens)
+    np.testing.assert_allclose(got.logits, own.logits, rtol=0, atol=LOGIT_BOUNDS[BF16])
+    # The same weights in other arrays are the same model: its blocks are reused.
+    c = Engine(model, jax.tree.map(jnp.copy, params), store=store, **ENGINE)
+    assert c.generate([request])[0].reused_tokens == 64
+    c.close()
+    # A namespace given is the caller's word for what the KV is, taken as it is.
+    d = Engine(model, scaled, store=store, namespace=a.connector.namespace, **ENGINE)
+    assert d.connector.namespace == a.connector.namespace
+    d.close()
+
+
+# --------------------------------------------------------------------------------------------
+# All or nothing: a refused or failed generate takes nothing and breaks nothing
+
+
+@pytest.fixture(scope="module")
+def served():
+    """One engine with a store that already holds every prompt of `SCENARIO`, and what a
+    fresh engine over that store returns for it."""
+    model, params = small_model()
+    store = HostStore(1 << 26)
+    engine = Engine(model, params, store=store, **ENGINE)
+    engine.generate(SCENARIO)
+    fresh = Engine(model, params, store=store, **ENGINE)
+    want = fresh.generate(SCENARIO)
+    fresh.close()
+    yield engine, want
+    engine.close()
+
+
+# Two requests prefilled together, a third joining while they decode; every prompt reuses.
+SCENARIO = [
+    Request(r.prompt, 3, arrival=a) for r, a in zip(shared_prefix_requests(seed=6), (0, 0, 1))
+]
+
+
+def held(engine):
+    return engine.allocator.available_size(), engine.req_to_token.available_size()
+
+
+def assert_serves_like_a_fresh_engine(engine, want):
+    got = engine.generate(SCENARIO)
+    assert [r.reused_tokens for r in got] == [r.reused_tokens for r in want]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=LOGIT_BOUNDS[BF16])
+
+
+@pytest.mark.parametrize(
+    "bad, err, match",
+    [
+        (Request(np.zeros((2, 20), np.int32), 2), ValueError, r"\.prompt: .*1-D.*\(2, 20\)"),
+        (Request(np.arange(10) + 0.7, 2), TypeError, r"\.prompt: .*integer.*float64"),
+        (Request([1.0, 2.0], 2), TypeError, r"\.prompt: .*integer.*float64"),
+        (Request(np.array([True, False]), 2), TypeError, r"\.prompt: .*integer.*bool"),
+        (Request([[1, 2], [3]], 2), TypeError, r"\.prompt: expected a 1-D array"),
+        (Request(np.zeros(0, np.int32), 1), ValueError, r"\.prompt: .*empty"),
+        (Request([], 1), ValueError, r"\.prompt: .*empty"),
+        (Request(np.array([3, 258]), 1), ValueError, r"\.prompt: .*\[0, 258\), got 258 at"),
+        (Request(np.array([-1, 3]), 1), ValueError, r"\.prompt: .*\[0, 258\), got -1 at"),
+        (Request(np.arange(5), 0), ValueError, r"\.max_new_tokens: .*positive int, got 0"),
+        (Request(np.arange(5), 2.0), TypeError, r"\.max_new_tokens: .*got float 2\.0"),
+        (Request(np.arange(5), True), TypeError, r"\.max_new_tokens: .*got bool"),
+        (Request(np.arange(5), 1, arrival=-1), ValueError, r"\.arrival: .*>= 0, got -1"),
+        (Request(np.arange(5), 1, arrival=0.5), TypeError, r"\.arrival: .*got float"),
+        (Request(np.zeros(120, np.int32), 10), ValueError, r": expected len\(prompt\).*129"),
+        ((np.arange(5), 1), TypeError, r": expected a Request, got tuple"),
+    ],
+)
+def test_bad_requests_are_refused_before_anything_is_taken(served, bad, err, match):
+    engine, want = served
+    before = held(engine)
+    # The bad request is the second: the first, good one must not have been started either.
+    with pytest.raises(err, match=r"requests\[1\]" + match):
+        engine.generate([SCENARIO[0], bad])
+    assert held(engine) == before
+    assert_serves_like_a_fresh_engine(engine, want)
+
+
+class InjectedFault(Exception):
+    pass
+
+
+# Every call a request's service makes that can fail, by the class it is made on. "before":
+# the call raises instead of running; "after": it runs (donating what it donates) and then
+# raises, as a failure after dispatch would; "none": the row allocator has none free.
+FAULTS = [
+    (ReqToTokenPool, "alloc", "before"),
+    (ReqToTokenPool, "alloc", "none"),
+    (PagedAllocator, "alloc_extend", "before"),
+    (ReqToTokenPool, "write", "before"),
+    (ReqToTokenPool, "write", "after"),
+    (KVConnector, "lookup", "before"),
+    (KVConnector, "load", "before"),
+    (KVConnector, "load", "after"),
+    (KVConnector, "store_async", "before"),
+    (CompiledSteps, "__call__", "before"),
+    (CompiledSteps, "__call__", "after"),
+    (PagedAllocator, "alloc_decode", "before"),
+]
+
+
+def wrap(monkeypatch, cls, name, fault_at=None, mode="before"):
+    """Replaces `cls.name` with a pass-through that counts its calls (`calls[0]`) and fails
+    the one numbered `fault_at` as `mode` says."""
+    real, calls = getattr(cls, name), [0]
+
+    def call(self, *args, **kwargs):
+        n, calls[0] = calls[0], calls[0] + 1
+        if n != fault_at:
+            return real(self, *args, **kwargs)
+        if mode == "none":
+            return None
+        if mode == "after":
+            real(self, *args, **kwargs)
+        raise InjectedFault(f"{cls.__name__}.{name} call {n}")
+
+    monkeypatch.setattr(cls, name, call)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "cls, name, mode", FAULTS, ids=[f"{c.__name__}.{n}-{m}" for c, n, m in FAULTS]
+)
+def test_a_failure_at_any_call_gives_everything_back(served, cls, name, mode):
+    engine, want = served
+    with pytest.MonkeyPatch.context() as mp:
+        calls = wrap(mp, cls, name)
+        engine.generate(SCENARIO)
+    assert calls[0] > 0, f"{cls.__name__}.{name} is not on the serving path"
+    for at in range(calls[0]):
+        before = held(engine)
+        with pytest.MonkeyPatch.context() as mp:
+            wrap(mp, cls, name, fault_at=at, mode=mode)
+            with pytest.raises((InjectedFault, RuntimeError)):
+                engine.generate(SCENARIO)
+        assert held(engine) == before, f"call {at} of {cls.__name__}.{name} kept what it took"
+        assert_serves_like_a_fresh_engine(engine, want)
+
+
+def test_a_strict_store_that_cannot_read_fails_the_call_and_nothing_else():
+    class Unreadable(HostStore):
+        strict = True
+
+        def get_many(self, keys, *, stop_at_miss=False):
+            raise OSError("disk gone")
+
+    model, params = small_model()
+    store = Unreadable(1 << 26)
+    engine = Engine(model, params, store=store, **ENGINE)
+    engine.generate(SCENARIO[:1])  # computes and stores the prompt's blocks
+    before = held(engine)
+    for _ in range(2):  # the second call finds the engine as the first left it
+        with pytest.raises(OSError, match="disk gone"):
+            engine.generate(SCENARIO[:1])
+        assert held(engine) == before
+    engine.close()

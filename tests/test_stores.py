@@ -13,6 +13,8 @@ import copy
 import dataclasses
 import os
 import shutil
+import socket
+import stat
 import sys
 import threading
 import time
@@ -25,7 +27,7 @@ from conftest import random_mha_pool, raw_rows, run_python, same_bits
 
 import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool
-from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector
+from jaxkv.connector import BlockRecord, BlockStore, DiskStore, HostStore, KVConnector, TieredStore
 from jaxkv.connector._records import Segment, is_block_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +85,7 @@ def _fill_lent(store: HostStore, count: int, value: float):
 def test_host_store_keeps_lent_memory_it_filled_without_a_copy(monkeypatch):
     """The connector copies CPU pool rows straight into memory the store lends: a record whose
     parts are those very arrays is kept as it is, read-only, with nothing copied."""
-    import jaxkv.connector.stores as stores_module
+    import jaxkv.connector.host as stores_module
 
     store = HostStore(1 << 12)
     records, reservation = _fill_lent(store, 2, 5.0)
@@ -556,10 +558,10 @@ def test_disk_store_failed_write_leaves_nothing(tmp_path, monkeypatch):
     store = DiskStore(tmp_path)
     conn = KVConnector(src, store)
 
-    def failing_replace(a, b):
+    def failing_replace(self, src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(disk_module.os, "replace", failing_replace)
+    monkeypatch.setattr(disk_module.FileOps, "replace", failing_replace)
     assert conn.store(src, _seq(0), np.arange(1, 17)) == 0
     monkeypatch.undo()
     assert _files(tmp_path) == []
@@ -753,3 +755,303 @@ def test_disk_store_ignores_foreign_files(tmp_path):
     store = DiskStore(tmp_path)
     assert len(store) == 0
     assert (tmp_path / "README").exists() and (tmp_path / "ab" / "notes.txt").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# DiskStore: only plain files are opened, no link inside the folder is followed
+
+# Generous: these calls take milliseconds; the bound only turns a hang into a failure.
+_HANG_S = 30.0
+
+
+def _returns(call, *args, unblock=None):
+    """`call(*args)`'s result, run in a thread; fails the test when the call has not returned
+    within `_HANG_S` (it hangs), after `unblock()` has released the thread."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call(*args)), daemon=True)
+    thread.start()
+    thread.join(_HANG_S)
+    if thread.is_alive():
+        if unblock is not None:
+            unblock()
+        pytest.fail(f"{getattr(call, '__name__', call)} did not return: it blocks")
+    assert out, "the call raised (see the thread's traceback above)"
+    return out[0]
+
+
+def _release_fifo_reader(path):
+    """Opens the FIFO `path` for writing (and closes it), which returns a reader blocked
+    opening it."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def _key(i: int) -> str:
+    return f"{i:064x}"
+
+
+def _disk_record(i: int) -> BlockRecord:
+    return _record(_key(i), float(i))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_disk_store_never_blocks_on_a_fifo_under_a_block_name(tmp_path):
+    store = DiskStore(tmp_path)
+    fifos = {}
+    for i in (1, 2, 3):
+        fifos[i] = _record_path(tmp_path, _key(i))
+        os.makedirs(os.path.dirname(fifos[i]), exist_ok=True)
+        os.mkfifo(fifos[i])
+    assert (
+        _returns(store.contains, _key(1), unblock=lambda: _release_fifo_reader(fifos[1])) is False
+    )
+    assert _returns(store.get, _key(2), unblock=lambda: _release_fifo_reader(fifos[2])) is None
+    # A put over it: the name is found damaged, and the record written in its place.
+    assert _returns(store.put, _disk_record(3), unblock=lambda: _release_fifo_reader(fifos[3]))
+    assert not os.path.exists(fifos[1]) and not os.path.exists(fifos[2])
+    assert os.path.isfile(fifos[3]) and store.get(_key(3)).key == _key(3)
+    st = store.stats()
+    assert st["verification_failures"] == 3 and st["io_errors"] == 0
+    assert (st["hits"], st["misses"]) == (1, 1)
+
+
+def test_disk_store_never_follows_a_link_to_a_record_elsewhere(tmp_path):
+    other = DiskStore(tmp_path / "other")  # another tenant's folder
+    assert other.put(_disk_record(1)) and other.put(_disk_record(2))
+    store = DiskStore(tmp_path / "mine")
+    for i in (1, 2):
+        link = _record_path(tmp_path / "mine", _key(i))
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(_record_path(tmp_path / "other", _key(i)), link)
+    assert store.contains(_key(1)) is False
+    assert store.get(_key(2)) is None
+    for i in (1, 2):  # the links are gone, their targets are not
+        assert not os.path.lexists(_record_path(tmp_path / "mine", _key(i)))
+        assert other.get(_key(i)).key == _key(i)
+    assert store.stats()["verification_failures"] == 2 and store.stats()["hits"] == 0
+
+
+def test_disk_store_never_follows_a_linked_subfolder(tmp_path):
+    other = DiskStore(tmp_path / "other")
+    records = [_disk_record(i) for i in (0x10, 0x11)]  # keys in subfolder "00"
+    assert other.put_many(records) == [True, True]
+    sub = os.path.dirname(_record_path(tmp_path / "mine", records[0].key))
+    os.makedirs(os.path.dirname(sub))
+    os.symlink(os.path.dirname(_record_path(tmp_path / "other", records[0].key)), sub)
+    size = os.path.getsize(_record_path(tmp_path / "other", records[0].key))
+    # The rescan indexes nothing through the link (nor would eviction remove anything there).
+    store = DiskStore(tmp_path / "mine", capacity_bytes=size + size // 2)
+    assert len(store) == 0 and not os.path.lexists(sub)
+    assert store.stats()["verification_failures"] == 1
+    os.symlink(os.path.dirname(_record_path(tmp_path / "other", records[0].key)), sub)
+    assert store.get(records[0].key) is None and not os.path.lexists(sub)
+    os.symlink(os.path.dirname(_record_path(tmp_path / "other", records[0].key)), sub)
+    assert store.contains(records[1].key) is False and not os.path.lexists(sub)
+    # A write makes a real subfolder; eviction (room for one file) stays in this folder.
+    assert store.put(_disk_record(0x12)) and os.path.isdir(sub) and not os.path.islink(sub)
+    assert store.put(_disk_record(0x13)) and store.stats()["evictions"] == 1
+    assert store.stats()["verification_failures"] == 3
+    assert [other.get(r.key).key for r in records] == [r.key for r in records]
+
+
+def test_disk_store_removes_sockets_devices_and_links_under_block_names(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+    made = []
+    sock_path = _record_path(tmp_path, _key(1))
+    os.makedirs(os.path.dirname(sock_path), exist_ok=True)
+    if hasattr(socket, "AF_UNIX"):
+        monkeypatch.chdir(os.path.dirname(sock_path))  # a socket's name must be short
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(os.path.basename(sock_path))  # opening it fails (ENXIO): a damaged name
+        sock.close()
+        made.append(_key(1))
+    if os.path.exists(os.devnull) and hasattr(os, "symlink"):
+        os.symlink(os.devnull, _record_path(tmp_path, _key(2)))
+        made.append(_key(2))
+    try:
+        os.mknod(_record_path(tmp_path, _key(3)), 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        made.append(_key(3))
+    except (AttributeError, OSError):
+        pass  # making device nodes needs privileges
+    if not made:
+        pytest.skip("cannot make sockets, links or devices here")
+    assert [_returns(store.contains, k) for k in made] == [False] * len(made)
+    assert not any(os.path.lexists(_record_path(tmp_path, k)) for k in made)
+    st = store.stats()
+    assert st["verification_failures"] == len(made) and st["io_errors"] == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_disk_store_rescan_skips_and_removes_what_is_not_a_plain_file(tmp_path):
+    good = DiskStore(tmp_path)
+    assert good.put(_disk_record(1))
+    elsewhere = DiskStore(tmp_path / "elsewhere")
+    assert elsewhere.put(_disk_record(2))
+    fifo, link = _record_path(tmp_path, _key(3)), _record_path(tmp_path, _key(2))
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    os.mkfifo(fifo)
+    os.symlink(_record_path(tmp_path / "elsewhere", _key(2)), link)
+    store = _returns(DiskStore, tmp_path, unblock=lambda: _release_fifo_reader(fifo))
+    assert len(store) == 1 and store.contains(_key(1))
+    assert not os.path.lexists(fifo) and not os.path.lexists(link)
+    assert store.stats()["verification_failures"] == 2
+    assert elsewhere.get(_key(2)) is not None
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's read counter")
+def test_disk_store_never_reads_a_file_longer_than_its_record_whole(tmp_path):
+    store = DiskStore(tmp_path)
+    assert store.put(_disk_record(1))
+    path = _record_path(tmp_path, _key(1))
+    extra = 64 << 20
+    with open(path, "r+b") as f:  # a sparse tail: costs no disk, would cost a read
+        f.truncate(os.path.getsize(path) + extra)
+    before = _bytes_read()
+    assert store.get(_key(1)) is None
+    assert _bytes_read() - before < extra // 4
+    assert not os.path.exists(path) and store.stats()["verification_failures"] == 1
+
+
+def test_disk_store_keys_and_names_match_whole(tmp_path):
+    store = DiskStore(tmp_path)
+    for call in (store.contains, store.get, store.discard):
+        with pytest.raises(ValueError, match="key"):
+            call(_key(1) + "\n")
+
+
+def test_disk_store_removes_a_temporary_file_whose_pid_cannot_be(tmp_path):
+    name = f"{_key(1)}.kvb.{disk_module._HOST}-{'9' * 30}.0123abcd.tmp"
+    tmp = os.path.join(tmp_path, _key(1)[:2], name)
+    os.makedirs(os.path.dirname(tmp))
+    with open(tmp, "wb") as f:
+        f.write(b"half a record")
+    store = DiskStore(tmp_path)
+    assert not os.path.exists(tmp) and len(store) == 0
+
+
+def test_disk_store_serves_what_contains_promised_or_removes_it(tmp_path):
+    """`contains` checks a file's header and size, not its checksum: a payload bit flip is
+    still promised until a read, which then removes it, so that the next put repairs it."""
+    store = DiskStore(tmp_path)
+    record = _disk_record(5)
+    assert store.put(record)
+    path = _record_path(tmp_path, record.key)
+    raw = bytearray(Path(path).read_bytes())
+    raw[-8] ^= 0x04  # in the payload
+    Path(path).write_bytes(bytes(raw))
+    assert store.contains(record.key) is True
+    assert store.get(record.key) is None and not os.path.exists(path)
+    assert store.contains(record.key) is False
+    assert store.put(record) is True
+    got = store.get(record.key)
+    np.testing.assert_array_equal(got.parts["k"], record.parts["k"])
+    assert store.stats()["verification_failures"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Flags and arguments are checked, never taken from truthiness
+
+
+@pytest.mark.parametrize("bad", ["no", "yes", 0, 1, None, [False]])
+def test_store_flags_must_be_bools(tmp_path, bad):
+    for name in ("strict", "fsync"):
+        with pytest.raises(TypeError, match=name):
+            DiskStore(tmp_path / "d", **{name: bad})
+    disk, host = DiskStore(tmp_path / "d"), HostStore(1 << 20, preallocate_bytes=0)
+    stack = TieredStore(host, disk)
+    for store, name in ((disk, "strict"), (disk, "fsync"), (host, "strict"), (stack, "strict")):
+        with pytest.raises(TypeError, match=name):
+            setattr(store, name, bad)
+        assert getattr(store, name) is False  # unchanged
+    for store in (host, stack):
+        for call in (store.contains_many, store.get_many):
+            with pytest.raises(TypeError, match="stop_at_miss"):
+                call([_key(1)], stop_at_miss=bad)
+
+
+def test_store_flags_take_numpy_bools(tmp_path):
+    store = DiskStore(tmp_path, strict=np.True_, fsync=np.bool_(True))
+    assert store.strict is True and store.fsync is True
+    store.strict = np.False_
+    assert store.strict is False
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"/tmp/x", ["a"]])
+def test_disk_store_path_must_be_a_str_or_pathlike(bad):
+    with pytest.raises(TypeError, match="path"):
+        DiskStore(bad)
+
+
+def test_disk_store_path_must_not_be_empty():
+    with pytest.raises(ValueError, match="path"):
+        DiskStore("")
+
+
+# --------------------------------------------------------------------------------------------
+# discard: a record a caller found wrong
+
+
+def test_host_store_discard_removes_and_keeps_a_readers_record_intact():
+    store = HostStore(2 * 16, preallocate_bytes=0)  # two 16-byte records
+    a, b = _record("a", 1.0), _record("b", 2.0)
+    assert store.put(a) and store.put(b)
+    held = store.get("a")
+    assert store.discard("a") is True and store.discard("a") is False
+    assert not store.contains("a") and store.get("a") is None
+    assert len(store) == 1 and store.nbytes == 16
+    # The reader's record stays intact while new records take the store's memory.
+    for i in range(4):
+        assert store.put(_record(f"new{i}", 10.0 + i))
+    np.testing.assert_array_equal(held.parts["k"], a.parts["k"])
+    assert store.memory_bytes <= store.capacity_bytes
+    del held
+    assert store.put(_record("after", 7.0)) and store.memory_bytes <= store.capacity_bytes
+    st = store.stats()
+    assert (st["discarded"], st["undiscarded"]) == (1, 0)
+
+
+def test_disk_store_discard_removes_the_file(tmp_path):
+    store = DiskStore(tmp_path)
+    assert store.put(_disk_record(1)) and store.put(_disk_record(2))
+    assert store.discard(_key(1)) is True
+    assert not os.path.exists(_record_path(tmp_path, _key(1)))
+    assert not store.contains(_key(1)) and store.get(_key(1)) is None and len(store) == 1
+    assert store.discard(_key(1)) is False  # gone already: no error
+    assert store.discard(_key(3)) is False
+    st = store.stats()
+    assert (st["discarded"], st["io_errors"], st["undiscarded"]) == (1, 0, 0)
+    assert store.put(_disk_record(1)) is True and store.contains(_key(1))
+
+
+def test_a_store_without_discard_counts_the_call():
+    class Minimal(BlockStore):
+        def contains(self, key):
+            return False
+
+        def get(self, key):
+            return None
+
+        def put(self, record):
+            return False
+
+        def __len__(self):
+            return 0
+
+    store = Minimal()
+    assert store.discard(_key(1)) is False
+    assert store.stats()["undiscarded"] == 1 and store.stats()["discarded"] == 0
+
+
+def test_disk_store_path_cannot_be_reassigned(tmp_path):
+    store = DiskStore(tmp_path / "a")
+    with pytest.raises(AttributeError):
+        store.path = str(tmp_path / "b")
+    assert store.path == str(tmp_path / "a")

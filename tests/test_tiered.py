@@ -1,5 +1,6 @@
-"""`TieredStore` over host and disk tiers: reads in order with promotion, write-through,
-the leading-run walk across tiers, per-tier stats, and the connector on a stack."""
+"""`TieredStore` over host and disk tiers: reads in order with promotion (counted only when a
+faster tier stored the copy), write-through, the leading-run walk across tiers, discard from
+every tier, per-tier stats, and the connector on a stack."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 from conftest import raw_rows
 from test_stores import _assert_rows, _pool, _seq
 
-from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector, TieredStore
+from jaxkv.connector import (
+    BlockRecord,
+    BlockStore,
+    DiskStore,
+    HostStore,
+    KVConnector,
+    TieredStore,
+)
 
 
 def _record(i: int) -> BlockRecord:
@@ -86,3 +94,67 @@ def test_connector_on_a_stack_reloads_from_disk_after_the_host_tier_is_gone(tmp_
     dst, n = conn.load(_pool(1), tokens, slots)
     assert n == 48 and len(stack.tiers[0]) == 3
     _assert_rows(dst, slots, want)
+
+
+def test_promotions_count_only_copies_a_faster_tier_stored(tmp_path):
+    records = [_record(i) for i in range(5)]
+    disk = DiskStore(tmp_path / "disk")
+    disk.put_many(records)
+    tiny = HostStore(8, preallocate_bytes=0)  # smaller than any record: refuses them all
+    stack = TieredStore(tiny, disk)
+    got = stack.get_many([r.key for r in records])
+    assert [g.key for g in got] == [r.key for r in records]
+    stats = stack.stats()
+    assert stats["promotions"] == 0 and stats["tiers"][0]["rejected"] == 5
+    # Two faster tiers: each copy they newly store counts; one already held does not.
+    host, middle = HostStore(1 << 20), DiskStore(tmp_path / "middle")
+    middle.put(records[0])
+    stack = TieredStore(host, middle, disk)
+    stack.get_many([r.key for r in records[:3]])
+    assert stack.stats()["promotions"] == 1 + 2 * 2  # record 0 into host; 1, 2 into both
+    assert len(host) == 3 and len(middle) == 3
+
+
+def test_discard_removes_a_record_from_every_tier(tmp_path):
+    host, disk = HostStore(1 << 20), DiskStore(tmp_path / "disk")
+    stack = TieredStore(host, disk)
+    stack.put_many([_record(1), _record(2)])
+    assert stack.discard(_record(1).key) is True
+    assert not host.contains(_record(1).key) and not disk.contains(_record(1).key)
+    assert stack.get(_record(1).key) is None and stack.get(_record(2).key) is not None
+    disk.put(_record(3))  # in one tier only
+    assert stack.discard(_record(3).key) is True and len(disk) == 1
+    assert stack.discard(_record(4).key) is False
+    stats = stack.stats()
+    assert stats["discarded"] == 2
+    assert [t["discarded"] for t in stats["tiers"]] == [1, 2]
+
+
+def test_a_tier_without_discard_is_counted_in_the_stack(tmp_path):
+    class Plain(BlockStore):
+        """Records in a dict, without a discard of its own."""
+
+        def __init__(self):
+            super().__init__()
+            self.records = {}
+
+        def contains(self, key):
+            return key in self.records
+
+        def get(self, key):
+            return self.records.get(key)
+
+        def put(self, record):
+            new = record.key not in self.records
+            self.records[record.key] = record
+            return new
+
+        def __len__(self):
+            return len(self.records)
+
+    host = HostStore(1 << 20)
+    stack = TieredStore(host, Plain())
+    stack.put(_record(1))
+    assert stack.discard(_record(1).key) is True  # the host tier removed it
+    stats = stack.stats()
+    assert (stats["discarded"], stats["undiscarded"]) == (1, 1)

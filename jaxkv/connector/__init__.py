@@ -8,8 +8,9 @@ loaded.
 from jaxkv.connector._connector import KVConnector, min_block_count
 from jaxkv.connector._records import BlockRecord, CorruptRecordError
 from jaxkv.connector.disk import DiskStore
+from jaxkv.connector.host import HostStore
 from jaxkv.connector.remote import RedisStore
-from jaxkv.connector.stores import BlockStore, HostStore
+from jaxkv.connector.stores import BlockStore
 from jaxkv.connector.tiered import TieredStore
 from jaxkv.errors import UnsupportedKVCacheError
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import numpy as np
@@ -29,7 +29,17 @@ from jaxkv._checks import bool_arg, int_arg, is_int, text_arg
 from jaxkv.connector import _hashing, _shards
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord
+from jaxkv.connector._replies import (
+    answers,
+    checked_bool,
+    count_of,
+    is_block,
+    is_bool,
+    is_record_or_none,
+    stats_dict,
+)
 from jaxkv.connector._transfers import Snapshot, TransferPath, choose_path, gather_blocks
+from jaxkv.connector._writes import BackgroundWrites
 from jaxkv.connector.stores import BlockStore, FailureLog, strict_scope
 from jaxkv.errors import StoreReplyError
 
@@ -168,12 +178,8 @@ class KVConnector:
         self.transfer_path: TransferPath = choose_path(view, transfer)
         self._chains: dict[bytes, tuple[bytes, list[bytes]]] = {}  # see `_chain`
         self._lock = threading.Lock()
-        self._pending: dict[str, Future] = {}
-        self._errors: list[BaseException] = []
-        self._executor: ThreadPoolExecutor | None = None
-        self._room = threading.BoundedSemaphore(int(max_pending))
+        self._writes = BackgroundWrites(int(max_pending))
         self.strict = strict
-        self._closed = False
         self._failures = FailureLog("KVConnector")
         self._counters = dict.fromkeys(
             (
@@ -269,14 +275,15 @@ class KVConnector:
             OSError: the store failed to answer, only when this connector or the store is
                 strict (otherwise the blocks it could not check count as missing).
         """
-        n, data = None, _hashing.token_bytes(token_ids)
+        data = _hashing.token_bytes(token_ids)
         first = self._first_block(start, len(data) // 4)
+        found = []  # per layout (one, or one per shard group): the run of blocks held
         with strict_scope(self.strict):
             for fingerprint in self._fingerprints():
                 digests = self._chain(data, salt, fingerprint)[first:]
                 held = self._held([d.hex() for d in digests], stop_at_miss=True)
-                got = held.index(False) if False in held else len(held)
-                n = got if n is None else min(n, got)
+                found.append(held.index(False) if False in held else len(held))
+        n = min(found)
         self._count("lookups")
         self._count("lookup_hits", n)
         self._count("lookup_misses", len(digests) - n)
@@ -301,8 +308,7 @@ class KVConnector:
     def _held(self, keys: list[str], *, stop_at_miss: bool = False) -> list[bool]:
         """Per key, "stored, or being written by `store_async`" (pending keys as of now); the
         store is asked about the other keys in one batch (`stop_at_miss`: see `BlockStore`)."""
-        with self._lock:
-            pending = set(self._pending)
+        pending = self._writes.pending()
         ask = [k for k in keys if k not in pending]
         asked = iter(
             self._call(
@@ -310,7 +316,7 @@ class KVConnector:
                 lambda ks: self.backend.contains_many(ks, stop_at_miss=stop_at_miss),
                 ask,
                 None,
-                check=lambda answer: _answers(answer, len(ask), _is_bool, "bools"),
+                check=lambda answer: answers(answer, len(ask), is_bool, "bools"),
             )
             or ()
         )
@@ -365,8 +371,7 @@ class KVConnector:
             return False
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("KVConnector is closed: make a new one to store or load blocks")
+        self._writes.check_open()
 
     # ---- transfers ----------------------------------------------------------------------
 
@@ -489,10 +494,10 @@ class KVConnector:
             except Exception as err:
                 # The records that landed before the error are counted (strict runs raise).
                 landed = getattr(err, "jaxkv_written", ())
-                if isinstance(landed, (list, tuple)) and all(map(_is_bool, landed)):
+                if isinstance(landed, (list, tuple)) and all(map(is_bool, landed)):
                     results.extend(landed[: len(batch)])
                 raise
-            results.extend(_answers(answer, len(batch), _is_bool, "bools"))
+            results.extend(answers(answer, len(batch), is_bool, "bools"))
 
         try:
             with strict_scope(self.strict):
@@ -586,36 +591,16 @@ class KVConnector:
             done: Future = Future()
             done.set_result(0)
             return done
-        self._room.acquire()
         keys = [r.key for r in records]
-        with self._lock:
-            if self._closed:  # closed while this call waited for room
-                self._room.release()
-                self._give_back(staging)
-                self._check_open()
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-store")
-            future = self._executor.submit(self._background_write, records, blocks, keys, staging)
-            for key in keys:
-                self._pending[key] = future
-        return future
 
-    def _background_write(self, records: list[BlockRecord], blocks: list[int], keys, staging):
-        # Errors and pending keys are settled here, before the future completes, so `flush`
-        # and `load` never see a finished write as still pending or miss its error.
-        try:
-            return self._write(records, blocks)
-        except BaseException as err:
-            with self._lock:
-                self._errors.append(err)
-                self._counters["async_failures"] += 1
-            raise
-        finally:
-            with self._lock:
-                for key in keys:
-                    self._pending.pop(key, None)
-            self._give_back(staging)
-            self._room.release()
+        def write() -> int:
+            try:
+                return self._write(records, blocks)
+            except BaseException:
+                self._count("async_failures")
+                raise
+
+        return self._writes.submit(keys, write, lambda: self._give_back(staging))
 
     def flush(self) -> None:
         """Waits until every `store_async` write has finished, then raises the first write
@@ -625,36 +610,19 @@ class KVConnector:
             Exception: the first error a background write raised since the last `flush`
                 (an `OSError` of a strict connector or store, for instance).
         """
-        with self._lock:
-            futures = set(self._pending.values())
-        wait(futures)
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
+        self._writes.flush()
 
     def close(self) -> None:
         """Waits for pending writes (their errors stay on their futures) and stops the
         background worker; later `store`, `store_async` and `load` calls raise `RuntimeError`
         (`lookup`, `block_hashes`, `stats` and `flush` still answer)."""
-        with self._lock:
-            self._closed = True
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._writes.close()
 
     def __enter__(self) -> KVConnector:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _wait_pending(self, keys: list[str]) -> None:
-        with self._lock:
-            futures = {id(f): f for f in map(self._pending.get, keys) if f is not None}
-        # Their outcomes are not this load's: a failed write is only a miss here (the error
-        # stays on its future and is raised by `flush`).
-        wait(list(futures.values()))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -729,7 +697,7 @@ class KVConnector:
         digests = self._chain(data, salt, fingerprint)[first:]
         bs = self.block_size
         keys = [d.hex() for d in digests]
-        self._wait_pending(keys)
+        self._writes.wait_for(keys)
         records: list[BlockRecord] = []
         with strict_scope(self.strict):
             got = self._call(
@@ -737,7 +705,7 @@ class KVConnector:
                 lambda ks: self.backend.get_many(ks, stop_at_miss=True),
                 keys,
                 None,
-                check=lambda answer: _answers(answer, len(keys), _is_record_or_none, "records"),
+                check=lambda answer: answers(answer, len(keys), is_record_or_none, "records"),
             )
         want = {
             p.key: ((self.layout.layer_num, bs, *p.row_shape), p.bits_dtype) for p in layout.parts
@@ -746,7 +714,7 @@ class KVConnector:
             if record is None:
                 break
             block = data[4 * (first + i) * bs : 4 * (first + i + 1) * bs]
-            if not _valid(record, keys[i], block, fingerprint, want):
+            if not is_block(record, keys[i], block, fingerprint, want):
                 self._count("verification_failures")
                 self._discard(keys[i])
                 break
@@ -757,13 +725,14 @@ class KVConnector:
         """Removes the record the store served for `key`, which failed the checks, so that
         `lookup` stops promising it and the next `store` writes the block again."""
         with strict_scope(self.strict):
-            removed = self._call("discard", self.backend.discard, key, False, check=_checked_bool)
+            removed = self._call("discard", self.backend.discard, key, False, check=checked_bool)
         if removed:
             self._count("discarded")
 
     def _load_shards(self, view: PoolView, data: bytes, slots, salt, first: int):
         """`load` of a sharded pool: the blocks every shard of this process holds, written
         into each replica's shard on its own device, then the global buffers rebuilt."""
+        assert self._shards is not None  # the caller's branch
         groups = _shards.shard_views(self._shards, view)
         fetched = [self._fetch(g.layout, g.fingerprint, data, salt, first) for g, _ in groups]
         n_blocks = min(len(records) for records, _ in fetched)
@@ -810,72 +779,11 @@ class KVConnector:
         Returns:
             The counters above (ints) and `"store"`, the store's `stats()` dict.
         """
-        store = self._call("stats", lambda _: self.backend.stats(), None, {}, check=_stats_dict)
+        store = self._call("stats", lambda _: self.backend.stats(), None, {}, check=stats_dict)
         with self._lock:
             counters = dict(self._counters)
-            pending = len(self._pending)
-        counters["verification_failures"] += _count_of(store, "verification_failures")
-        counters["evictions"] = _count_of(store, "evictions")
-        counters["io_errors"] += _count_of(store, "io_errors")
+            pending = len(self._writes)
+        counters["verification_failures"] += count_of(store, "verification_failures")
+        counters["evictions"] = count_of(store, "evictions")
+        counters["io_errors"] += count_of(store, "io_errors")
         return {**counters, "pending_blocks": pending, "store": store}
-
-
-def _valid(record: BlockRecord, key: str, block_tokens: bytes, fingerprint: str, want) -> bool:
-    """Whether `record` is the block that `key` names: that key, the layout `fingerprint`, the
-    digest of `block_tokens`, and exactly the parts of `want` (part key -> (shape, dtype)),
-    each a numpy array of that shape and dtype. Whatever the store handed back, a record that
-    is anything else (or that breaks these checks by raising) is not that block."""
-    try:
-        if record.key != key or record.layout != fingerprint:
-            return False
-        if record.tokens != _hashing.block_digest(block_tokens):
-            return False
-        parts = record.parts
-        if not isinstance(parts, Mapping) or parts.keys() != want.keys():
-            return False
-        for name, (shape, dtype) in want.items():
-            arr = parts[name]
-            if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != dtype:
-                return False
-        return True
-    except Exception:
-        return False
-
-
-def _is_bool(value) -> bool:
-    return isinstance(value, (bool, np.bool_))
-
-
-def _is_record_or_none(value) -> bool:
-    return value is None or isinstance(value, BlockRecord)
-
-
-def _answers(answer, n: int, ok, what: str) -> list:
-    """`answer` as a list when it is a list or tuple of `n` entries that each pass `ok`; else
-    `StoreReplyError` saying what came instead."""
-    if not isinstance(answer, (list, tuple)):
-        raise StoreReplyError(f"expected a list of {n} {what}, got {type(answer).__name__}")
-    if len(answer) != n:
-        raise StoreReplyError(f"expected a list of {n} {what}, got {len(answer)} entries")
-    for i, value in enumerate(answer):
-        if not ok(value):
-            raise StoreReplyError(f"expected {what}, got {type(value).__name__} at [{i}]")
-    return list(answer)
-
-
-def _checked_bool(answer) -> bool:
-    if not _is_bool(answer):
-        raise StoreReplyError(f"expected a bool, got {type(answer).__name__}")
-    return bool(answer)
-
-
-def _stats_dict(answer) -> dict:
-    if not isinstance(answer, Mapping):
-        raise StoreReplyError(f"expected a dict of counters, got {type(answer).__name__}")
-    return dict(answer)
-
-
-def _count_of(stats: dict, name: str) -> int:
-    """A store counter as an int; one that is not an int (a store's bug) counts as 0."""
-    value = stats.get(name, 0)
-    return int(value) if is_int(value) else 0

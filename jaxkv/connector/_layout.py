@@ -1,10 +1,12 @@
 """What a pool's blocks are: its layout (the key blocks are namespaced by) and its parts.
 
 `describe(pool)` returns a `Layout`: kind, dtype, page size, layer range and, per exported buffer
-family, a `Part` (`"k"`, `"v"`, `"kv"`, `"index_k"`) with its per-token row shape, raw-bit dtype
-and codec. jaxkv pools describe themselves (`buffer_specs`, `KIND`); any other object is read by
-SGLang's attribute names. `Layout.fingerprint` is the stable digest block keys are chained from,
-and `Layout.differences` says field by field why two layouts are not the same.
+family, a `Part` (`"k"`, `"v"`, `"kv"`, `"index_k"`) with its attribute, per-token row shape,
+raw-bit dtype and codec. A part is a pool's `BufferSpec`: jaxkv pools describe themselves
+(`buffer_specs`, `KIND`), and any other object is matched against the jaxkv kinds' declared
+buffer attributes (SGLang's names) and described by the same declarations, its row shapes read
+from its buffers. `Layout.fingerprint` is the stable digest block keys are chained from, and
+`Layout.differences` says field by field why two layouts are not the same.
 """
 
 from __future__ import annotations
@@ -13,32 +15,22 @@ import dataclasses
 import hashlib
 import json
 
-import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import _dtypes, _kernels
+from jaxkv._buffers import BufferSpec
 from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _foreign
 from jaxkv.errors import UnsupportedKVCacheError
+from jaxkv.pools import KOnlyPool, MHAPool, MLAPool, NSAPool
 
-# Buffer attribute -> export key (jaxkv pools and SGLang's use the same attribute names).
-_PART_KEYS = {
-    "k_buffer": "k",
-    "v_buffer": "v",
-    "kv_buffer": "kv",
-    "index_k_with_scale_buffer": "index_k",
-}
+# One exported buffer family: `layer_num` buffers of `row_shape` entries per token.
+Part = BufferSpec
 
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """One exported buffer family: `layer_num` buffers of `row_shape` entries per token."""
-
-    key: str
-    attr: str
-    row_shape: tuple[int, ...]
-    bits_dtype: np.dtype
-    codec: _kernels.Codec
+# The kinds another framework's pool may be, tried in order: the first whose buffers it has
+# all of describes it. A kind comes before the kind it extends (NSA before MLA, MHA before
+# K-only), and latent kinds before head kinds: an object with `kv_buffer` is a latent pool.
+_FOREIGN_KINDS = (NSAPool, MLAPool, MHAPool, KOnlyPool)
+_FOREIGN_ATTRS = tuple(dict.fromkeys(a for kind in _FOREIGN_KINDS for a in kind.BUFFERS))
 
 
 # Fields of `Layout` that the fingerprint covers and `differences` names, in message order.
@@ -126,10 +118,6 @@ def describe(pool) -> Layout:
 
 
 def _jaxkv_layout(pool: PoolBase) -> Layout:
-    parts = tuple(
-        Part(_PART_KEYS[s.name], s.name, tuple(s.row_shape), jnp.dtype(s.store_dtype), s.codec)
-        for s in pool.buffer_specs()
-    )
     return Layout(
         kind=pool.KIND,
         dtype=pool.dtype.name,
@@ -137,7 +125,7 @@ def _jaxkv_layout(pool: PoolBase) -> Layout:
         start_layer=pool.start_layer,
         layer_num=pool.layer_num,
         rows=pool.rows,
-        parts=parts,
+        parts=pool.buffer_specs(),
         sizes=tuple(pool.size_fields().items()),
     )
 
@@ -196,39 +184,11 @@ def _check_family(name: str, attr: str, layers: list, n_layers: int, rows: int |
             )
 
 
-def _index_part(name: str, buf, rows: int, page_size: int | None) -> Part:
-    """NSA's page-packed indexer buffer `(pages, page_size * (head_dim + 4))` uint8."""
-    pages, width = (int(d) for d in buf.shape)
-    if _foreign.buffer_dtype(buf) != jnp.uint8 or not pages or rows % pages:
-        raise _unsupported(
-            name,
-            f"index_k_with_scale_buffer: expected uint8 pages dividing the {rows} rows, got "
-            f"{tuple(buf.shape)} {_foreign.buffer_dtype(buf).name}",
-        )
-    page = rows // pages
-    if (page_size is not None and page != page_size) or width % page or width // page <= 4:
-        raise _unsupported(
-            name,
-            f"index_k_with_scale_buffer: expected pages of page_size * (head_dim + 4) bytes for "
-            f"page_size {page_size or page}, got {tuple(buf.shape)} over {rows} rows",
-        )
-    head_dim = width // page - 4
-    codec = _kernels.IndexCodec(page, head_dim)
-    attr = "index_k_with_scale_buffer"
-    return Part("index_k", attr, (head_dim + 4,), jnp.dtype(jnp.uint8), codec)
-
-
 def _foreign_layout(pool) -> Layout:
     name = type(pool).__name__
-    kv, k, v = _layers(pool, "kv_buffer"), _layers(pool, "k_buffer"), _layers(pool, "v_buffer")
-    index = _layers(pool, "index_k_with_scale_buffer")
-    if kv is not None:
-        families = [("kv_buffer", kv)] + ([("index_k_with_scale_buffer", index)] if index else [])
-        kind = "nsa" if index else "mla"
-    elif k is not None:
-        families = [("k_buffer", k)] + ([("v_buffer", v)] if v is not None else [])
-        kind = "mha" if v is not None else "k_only"
-    else:
+    present = {a: layers for a in _FOREIGN_ATTRS if (layers := _layers(pool, a)) is not None}
+    kind = next((k for k in _FOREIGN_KINDS if all(a in present for a in k.BUFFERS)), None)
+    if kind is None:
         raise UnsupportedKVCacheError(_UNSUPPORTED.format(name=name))
     for attr in _SCALE_ATTRS:
         if _layers(pool, attr) is not None:
@@ -237,25 +197,36 @@ def _foreign_layout(pool) -> Layout:
                 f"its per-token scales ({attr}) are not part of jaxkv blocks; reloading the "
                 "values without them would corrupt the cache",
             )
-    main = families[0][1]
+    # Never guess: a token-major family is per-token rows, `(rows, D)` or `(rows, a, b)`. A 4-D
+    # or 5-D buffer is paged (sglang-jax's fused `(pages, page_size, ...)` buffers): reading its
+    # first axis as token rows would move whole pages to the wrong places.
+    for decl in kind.DECLARED:
+        ndim = len(present[decl.attr][0].shape)
+        if decl.codec.token_major and ndim not in (2, 3):
+            raise _unsupported(
+                name,
+                f"{decl.attr}[0] has shape {tuple(present[decl.attr][0].shape)}: a {ndim}-D "
+                "buffer is not per-token rows ((rows, D) or (rows, heads, D), as SGLang's pools "
+                "hold them); jaxkv does not guess which axes are pages and tokens",
+            )
+    # Token rows are counted on the first token-major buffer (paged ones hold pages).
+    main = present[next(d.attr for d in kind.DECLARED if d.codec.token_major)]
     rows = int(main[0].shape[0])
     declared_page = getattr(pool, "page_size", None)
-    page_size = int(declared_page or 1)
+    page = int(declared_page) if declared_page else None
     parts = []
-    for attr, layers in families:
-        is_index = attr == "index_k_with_scale_buffer"
-        _check_family(name, attr, layers, len(main), None if is_index else rows)
-        if is_index:
-            parts.append(_index_part(name, layers[0], rows, page_size if declared_page else None))
-            page_size = parts[-1].codec.page_size
-            continue
-        dt = _foreign.buffer_dtype(layers[0])
-        row = tuple(int(d) for d in layers[0].shape[1:])
-        parts.append(
-            Part(_PART_KEYS[attr], attr, row, _dtypes.bits_dtype(dt), _kernels.RowCodec(dt))
-        )
+    for decl in kind.DECLARED:
+        layers = present[decl.attr]
+        _check_family(name, decl.attr, layers, len(main), rows if decl.codec.token_major else None)
+        shape = tuple(int(d) for d in layers[0].shape)
+        try:
+            parts.append(decl.of_layer(shape, _foreign.buffer_dtype(layers[0]), rows, page))
+        except ValueError as err:
+            raise _unsupported(name, f"{decl.attr}: {err}") from None
+    # A paged buffer (NSA's index) tells the page size when the object does not.
+    page_size = next((p.codec.page_size for p in parts if p.codec.page_size), page or 1)
     return Layout(
-        kind=kind,
+        kind=kind.KIND,
         dtype=logical_dtype(pool, main[0].dtype),
         page_size=page_size,
         start_layer=int(getattr(pool, "start_layer", 0) or 0),

@@ -1,7 +1,7 @@
 """Staging memory between pools and stores: host views of device arrays and back.
 
-Fresh host memory costs a page fault per 4 KiB page on first touch (32 MiB of records copied
-into fresh buffers ran at 1.8 GB/s here, against 7.4 GB/s for memcpy into touched memory), so
+Fresh host memory costs a page fault per 4 KiB page on first touch, which makes a copy into it
+several times slower than memcpy into memory already touched (docs/performance.md), so
 staging buffers are cached and reused.
 
 On accelerators, blocks cross the host link through pinned host memory (`memory_kind=
@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,13 +61,25 @@ def _xla_owned_staging(
     return np.frombuffer(raw, dtype=arr.dtype).reshape(shape), arr
 
 
-def pinned_device(x, *, on_cpu: bool = False) -> jax.Device | None:
+def device_of(x: jax.Array) -> Any:
+    """The one device of a single-device array (typed `Any`: jaxlib's device class ships no
+    stubs a type checker can resolve)."""
+    return next(iter(x.sharding.device_set))
+
+
+def dlpack_view(x: Any) -> np.ndarray:
+    """`np.from_dlpack(x)`: a zero-copy host view of a jax array in host memory (jax's stubs
+    declare `__dlpack__` without numpy's `stream` keyword, hence `Any`)."""
+    return np.from_dlpack(x)
+
+
+def pinned_device(x, *, on_cpu: bool = False) -> Any:
     """The device of `x` when its blocks can cross the host link through pinned host memory:
     `x` is a jax array on one accelerator device (or CPU device, with `on_cpu`) that has a
     `pinned_host` memory. None otherwise."""
     if not isinstance(x, jax.Array) or len(x.sharding.device_set) != 1:
         return None
-    dev = next(iter(x.sharding.device_set))
+    dev = device_of(x)
     if dev.platform == "cpu" and not on_cpu:
         return None
     try:
@@ -84,8 +98,8 @@ def host_view(x: jax.Array, *, writable: bool = False) -> np.ndarray:
     views are for staging that jaxkv owns: it writes them only while no transfer reads them.
     """
     jax.block_until_ready(x)
-    address = np.from_dlpack(x).__array_interface__["data"][0]
-    raw = (ctypes.c_char * x.nbytes).from_address(address)
+    address = dlpack_view(x).__array_interface__["data"][0]
+    raw: Any = (ctypes.c_char * x.nbytes).from_address(address)
     raw.owner = x  # the view's base is `raw`; this ties `x` to it
     view = np.frombuffer(raw, dtype=x.dtype).reshape(x.shape)
     view.flags.writeable = writable
@@ -177,6 +191,22 @@ class DeviceStaging(Staging):
         return to_host(self._device[layer])
 
 
+class JoinedStaging(Staging):
+    """Several stagings of one part, their blocks one after another: one scatter writes them
+    all (joined on the device, one concatenation per layer)."""
+
+    def __init__(self, parts: Sequence[Staging]):
+        self._parts = tuple(parts)
+        self.reused = any(p.reused for p in self._parts)
+
+    def on_device(self, like):
+        layers = zip(*(p.on_device(like) for p in self._parts))
+        return tuple(jnp.concatenate(per_layer) for per_layer in layers)
+
+    def layer_rows(self, layer):
+        return np.concatenate([p.layer_rows(layer) for p in self._parts])
+
+
 class StagingCache:
     """Reusable staging memory for loads and stores.
 
@@ -251,12 +281,12 @@ class StagingCache:
 def to_host(x: jax.Array) -> np.ndarray:
     """A host numpy view of a device array: zero-copy on CPU, via pinned host memory elsewhere."""
     if len(x.sharding.device_set) > 1:
-        first = min(x.sharding.device_set, key=lambda d: d.id)
+        first = min(x.sharding.device_set, key=lambda d: d.id)  # type: ignore[attr-defined]
         x = jax.device_put(x, jax.sharding.SingleDeviceSharding(first))
-    dev = next(iter(x.devices()))
+    dev = device_of(x)
     if dev.platform != "cpu":
         x = jax.device_put(x, jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
-    return np.from_dlpack(x)
+    return dlpack_view(x)
 
 
 def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
@@ -269,7 +299,8 @@ def to_device(host: np.ndarray, like: jax.Array) -> jax.Array:
         if isinstance(sharding, jax.sharding.NamedSharding):
             replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
         else:
-            mesh = jax.sharding.Mesh(np.array(sorted(devices, key=lambda d: d.id)), ("all",))
+            ordered = sorted(devices, key=lambda d: d.id)  # type: ignore[attr-defined]
+            mesh = jax.sharding.Mesh(np.array(ordered), ("all",))
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return jax.device_put(host, replicated)
     return jax.device_put(host, next(iter(devices)))

@@ -41,7 +41,11 @@ from jaxkv.connector._pool_views import PoolView
 from jaxkv.connector._records import BlockRecord, Segment, address, is_block_of
 from jaxkv.connector._staging import (
     DeviceStaging,
+    JoinedStaging,
+    Staging,
     StagingCache,
+    device_of,
+    dlpack_view,
     host_view,
     pinned_device,
     to_host,
@@ -89,30 +93,35 @@ class TransferPath:
         """`write` through host staging: the records stacked per layer into staging memory
         that reaches the device without a further host copy where the path has one."""
         with contextlib.ExitStack() as stack:
-            staging = []
-            for p in view.layout.parts:
-                like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
-                kind, device = self._staging_kind(like)
-                shape = (len(records), block_size, *p.row_shape)
-                slot = stack.enter_context(
-                    self.staging.borrow(kind, view.layout.layer_num, shape, p.bits_dtype, device)
-                )
-                # Blocks a HostStore holds side by side (stored together) are one strided
-                # array: one copy per layer instead of a stack of every block.
-                blocks = as_one_array([r.parts[p.key] for r in records])
-                for li, host in enumerate(slot.host):
-                    if isinstance(blocks, np.ndarray):
-                        host[...] = blocks[:, li]
-                    else:
-                        np.stack([r.parts[p.key][li] for r in records], out=host)
-                staging.append(slot)
+            staging = self._staged(stack, view, records, block_size)
             return view.write(slots, staging, block_size)
+
+    def _staged(self, stack, view, records, block_size) -> list[Staging]:
+        """Per part, staging borrowed for the rest of `stack` holding `records`' blocks."""
+        staging = []
+        for p in view.layout.parts:
+            like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
+            kind, device = self._staging_kind(like)
+            shape = (len(records), block_size, *p.row_shape)
+            slot = stack.enter_context(
+                self.staging.borrow(kind, view.layout.layer_num, shape, p.bits_dtype, device)
+            )
+            # Blocks a HostStore holds side by side (stored together) are one strided
+            # array: one copy per layer instead of a stack of every block.
+            blocks = as_one_array([r.parts[p.key] for r in records])
+            for li, host in enumerate(slot.host):
+                if isinstance(blocks, np.ndarray):
+                    host[...] = blocks[:, li]
+                else:
+                    np.stack([r.parts[p.key][li] for r in records], out=host)
+            staging.append(slot)
+        return staging
 
     def _staging_kind(self, like: jax.Array | None) -> tuple[str, jax.Device | None]:
         """The load staging for buffers like `like` (None: written outside XLA)."""
         if like is None or len(like.sharding.device_set) != 1:
             return "host", None
-        dev = next(iter(like.sharding.device_set))
+        dev = device_of(like)
         return ("xla", dev) if dev.platform == "cpu" else ("host", None)
 
     def give_back(self, snapshot: Snapshot) -> None:
@@ -145,7 +154,7 @@ class GatherPath(TransferPath):
             n_blocks * view.layout.layer_num * block_size * _row_bytes(p) for p in view.layout.parts
         )
         arrays = view.arrays()
-        platform = next(iter(arrays[0][0].sharding.device_set)).platform
+        platform = device_of(arrays[0][0]).platform
         if largest <= self.stack_above_bytes or platform != "cpu":
             return super().snapshot(view, slots, block_size, store)
         codecs = tuple(p.codec for p in view.layout.parts)
@@ -218,33 +227,31 @@ class PinnedPath(TransferPath):
         return Snapshot(per_block(segment.host, len(slots) // block_size), segment)
 
     def write(self, view, records, slots, block_size):
-        """Segments worth sending whole go back as they are (one write each), the rest
-        through pinned staging (one more write)."""
+        """Segments worth sending whole go back as they are, the other records through pinned
+        staging; all of it in one scatter, so a load that fails changes nothing."""
         by_segment: dict[int, list[int]] = {}
         for i, record in enumerate(records):
             if is_block_of(record):
                 by_segment.setdefault(id(record.source[0]), []).append(i)
-        whole: set[int] = set()
-        pool = None
+        keys = [p.key for p in view.layout.parts]
+        device = _device(view.arrays())
+        order: list[int] = []  # record indices in the order their staging is joined
+        groups: list[list[Staging]] = []  # per group, one staging per part
         for group in by_segment.values():
             segment = records[group[0]].source[0]
             if len(group) < self.whole_segment_share * segment.blocks:  # blocks of one size
                 continue
-            if pool is not None:
-                view = view.rebind(pool)  # the pool the previous write returned
             index = np.array([records[i].source[1] for i in group])
-            rows = np.concatenate([slots[i * block_size : (i + 1) * block_size] for i in group])
-            keys = [p.key for p in view.layout.parts]
-            staging = self.segment_staging(segment, keys, index, _device(view.arrays()))
-            pool = view.write(rows, staging, block_size)
-            whole.update(group)
+            groups.append(self.segment_staging(segment, keys, index, device))
+            order += group
+        whole = set(order)
         rest = [i for i in range(len(records)) if i not in whole]
-        if not rest:
-            return pool
-        if pool is not None:
-            view = view.rebind(pool)
-        rows = np.concatenate([slots[i * block_size : (i + 1) * block_size] for i in rest])
-        return self.write_staged(view, [records[i] for i in rest], rows, block_size)
+        rows = np.concatenate([slots[i * block_size : (i + 1) * block_size] for i in order + rest])
+        with contextlib.ExitStack() as stack:
+            if rest:
+                groups.append(self._staged(stack, view, [records[i] for i in rest], block_size))
+            staging = groups[0] if len(groups) == 1 else [JoinedStaging(g) for g in zip(*groups)]
+            return view.write(rows, staging, block_size)
 
     def segment_staging(
         self, segment: Segment, keys: Sequence[str], index: np.ndarray, device: jax.Device
@@ -261,12 +268,12 @@ class PinnedPath(TransferPath):
         return [DeviceStaging(tuple(per_layer)) for per_layer in layers]
 
     def _staging_kind(self, like):
-        return "pinned", next(iter(like.sharding.device_set))
+        return "pinned", device_of(like)
 
 
 def _device(arrays) -> jax.Device:
     """The one device of a view's (single-device) buffers."""
-    return next(iter(arrays[0][0].sharding.device_set))
+    return device_of(arrays[0][0])
 
 
 class ForeignHostPath(TransferPath):
@@ -338,9 +345,10 @@ def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[st
         jax.block_until_ready(staged)  # the snapshot is complete when this returns
         out.update({p.key: to_host(x) for p, x in zip(device_parts, staged)})
     for p in view.layout.parts:
-        if host[p.key] is not None:
+        layers = host[p.key]
+        if layers is not None:
             out[p.key] = _foreign.read_blocks(
-                host[p.key], p.codec, slots, block_size, p.row_shape, p.bits_dtype
+                layers, p.codec, slots, block_size, p.row_shape, p.bits_dtype
             )
     return {p.key: out[p.key] for p in view.layout.parts}
 
@@ -349,7 +357,7 @@ def _row_bytes(part) -> int:
     return int(np.prod(part.row_shape)) * part.bits_dtype.itemsize
 
 
-def _cpu_layers(view: PoolView) -> list[list[jax.Array]] | None:
+def _cpu_layers(view: PoolView) -> tuple[tuple[jax.Array, ...], ...] | None:
     """The layer buffers of every part when each is a jax array on one CPU device holding its
     part's bits, every codec token-major: the blocks can then be copied with numpy from
     zero-copy views. None otherwise."""
@@ -360,14 +368,14 @@ def _cpu_layers(view: PoolView) -> list[list[jax.Array]] | None:
     for part, bufs in zip(view.layout.parts, arrays):
         for b in bufs:
             devices = b.sharding.device_set
-            if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+            if len(devices) != 1 or device_of(b).platform != "cpu":
                 return None
             if b.dtype != part.bits_dtype:
                 return None
     return arrays
 
 
-def _copy_blocks(layers: list[jax.Array], starts: np.ndarray, block_size: int, out: np.ndarray):
+def _copy_blocks(layers: Sequence[jax.Array], starts: np.ndarray, block_size: int, out: np.ndarray):
     """`out[b, l] = layers[l][starts[b] : starts[b] + block_size]` through numpy views of the
     layer buffers (every start in range: the connector checked the slots). Blocks that follow
     each other in the buffer move as one copy per layer. The caller has waited for the
@@ -379,7 +387,7 @@ def _copy_blocks(layers: list[jax.Array], starts: np.ndarray, block_size: int, o
     for li, buf in enumerate(layers):
         # A temporary view: no reference to the pool's memory outlives this call (a live
         # export would turn the pool's next donated update into a copy).
-        src = np.from_dlpack(buf)
+        src = dlpack_view(buf)
         for a, b, row in runs:
             rows = src[row : row + (b - a) * block_size]
             out[a:b, li] = rows.reshape(b - a, block_size, *src.shape[1:])

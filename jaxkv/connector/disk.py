@@ -9,7 +9,9 @@ oldest first for eviction.
 Several processes may share one folder, without locks: each file appears whole or not at all,
 a reader that finds a file gone treats it as a miss, and each process keeps an index of the
 folder that it refreshes by rescanning it (see `DiskStore`). Every file operation goes through
-one `FileOps` object, the seam where tests inject disk faults.
+one `FileOps` object, the seam where tests inject disk faults; it opens only plain files and
+follows no link inside the folder, since anyone who may write there could otherwise make
+readers block on a FIFO or reach files elsewhere through a link.
 """
 
 from __future__ import annotations
@@ -19,21 +21,26 @@ import hashlib
 import os
 import re
 import socket
+import stat
 import threading
 import time
 import uuid
 
-from jaxkv._checks import int_arg
+from jaxkv._checks import bool_arg, int_arg
 from jaxkv.connector import _records
+from jaxkv.connector._files import FileOps, IrregularFileError
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import BlockStore
+from jaxkv.connector.stores import BlockStore, tidying_scope
 
-_KEY = re.compile(r"^[0-9a-f]{64}$")
-_SUBFOLDER = re.compile(r"^[0-9a-f]{2}$")
+__all__ = ["DiskStore", "FileOps", "IrregularFileError"]
+
+# Matched whole (`fullmatch`): `$` would also match before a final newline.
+_KEY = re.compile(r"[0-9a-f]{64}")
+_SUBFOLDER = re.compile(r"[0-9a-f]{2}")
 _SUFFIX = ".kvb"
 # `<key>.kvb.<host>-<pid>.<random>.tmp`: the owner of a temporary file, so that a process
 # opening the folder removes only files whose writer is gone.
-_TMP = re.compile(r"^[0-9a-f]{64}\.kvb\.([0-9a-f]{8})-([0-9]+)\.[0-9a-f]+\.tmp$")
+_TMP = re.compile(r"[0-9a-f]{64}\.kvb\.([0-9a-f]{8})-([0-9]+)\.[0-9a-f]+\.tmp")
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 # A temporary file older than this is stale whoever wrote it (a writer on another machine of
 # a shared file system, whose process cannot be checked from here).
@@ -43,45 +50,6 @@ STALE_TMP_SECONDS = 15 * 60
 RESCAN_SHARE = 1 / 16
 
 
-class FileOps:
-    """The file operations of a `DiskStore`, one method each; tests replace it to inject
-    faults (a full or read-only disk, vanished files, read errors)."""
-
-    def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-
-    def write(self, path: str, data: bytes, fsync: bool) -> None:
-        with open(path, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-
-    def replace(self, src: str, dst: str) -> None:
-        os.replace(src, dst)
-
-    def read(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
-
-    def head(self, path: str, n: int) -> tuple[bytes, int]:
-        """The first `n` bytes of a file and its size, from one open."""
-        with open(path, "rb") as f:
-            return f.read(n), os.fstat(f.fileno()).st_size
-
-    def listdir(self, path: str) -> list[str]:
-        return os.listdir(path)
-
-    def stat(self, path: str) -> os.stat_result:
-        return os.stat(path)
-
-    def touch(self, path: str) -> None:
-        os.utime(path)
-
-    def unlink(self, path: str) -> None:
-        os.unlink(path)
-
-
 class DiskStore(BlockStore):
     """Blocks as files under `path`, evicting least-recently-used files past `capacity_bytes`
     (no limit when `None`). `fsync=True` also flushes each record to stable storage before
@@ -89,10 +57,20 @@ class DiskStore(BlockStore):
 
     Faults: a failed file operation (full or read-only disk, a file gone, a read error) is
     counted in `stats()["io_errors"]`, logged on the `jaxkv` logger and becomes a miss or a
-    dropped write; with `strict=True` it is raised (`OSError`) instead. A record found damaged
-    is removed, so `contains` (and the connector's `lookup`) stop reporting it and the next
-    `put` rewrites it: `contains` checks that the file is a whole record (its header and
-    size), `get` verifies its checksum.
+    dropped write; with `strict=True` it is raised (`OSError`) instead. A failure while
+    tidying up after a successful write (its rescan, its evictions) is counted and logged but
+    never raised: the write did land.
+
+    Damage: a record file that fails a check, and anything found under a block's name that
+    the store never writes there (a FIFO, device, socket, folder or link; or a link or
+    special file under a subfolder's name), is removed and counted in
+    `stats()["verification_failures"]`; it is a miss. Such names are never opened (a FIFO
+    would block the reader) nor followed (a link could serve another tenant's file). `contains`
+    (and the connector's `lookup`) checks that the file is a plain file holding a whole record
+    (its header and size); `get` reads it only when its size is right and verifies its
+    checksum, removing it when that fails, so the next `put` rewrites it. A damaged or
+    discarded file that cannot be removed (a read-only folder) is never promised or served
+    again by this store, until a `put` of its block replaces it.
 
     Processes sharing `path`: writes are atomic renames, so no locks are taken. Opening the
     folder removes temporary files only when their writer is gone (a dead process on this
@@ -102,14 +80,18 @@ class DiskStore(BlockStore):
     capacity, so the folder exceeds it by at most that share per writing process.
 
     Args:
-        path: the folder (created if missing).
+        path: the folder (created if missing), a `str` or `os.PathLike`. Links on the way to
+            it are followed once, at construction; links inside it never are.
         capacity_bytes: bytes of files the folder may hold, or `None` for no limit.
-        fsync: flush each record to stable storage before it becomes visible.
-        strict: raise I/O errors instead of counting them as misses or dropped writes.
+        fsync: flush each record to stable storage before it becomes visible (a bool).
+        strict: raise I/O errors instead of counting them as misses or dropped writes (a
+            bool).
 
     Raises:
-        ValueError: a `capacity_bytes` that is neither `None` nor a positive int, or a `path`
-            that is a file.
+        TypeError: a `path` that is not a str or `os.PathLike` of one, or a `fsync` or
+            `strict` that is not a bool (also when assigned later).
+        ValueError: a `capacity_bytes` that is neither `None` nor a positive int, an empty
+            `path`, or a `path` that is a file.
         OSError: the folder cannot be created; with `strict`, also a failure to list it.
 
     The store's methods raise `ValueError` for a key that is not 64 lowercase hex digits, and
@@ -136,31 +118,56 @@ class DiskStore(BlockStore):
             capacity_bytes = int_arg(
                 "capacity_bytes", capacity_bytes, expected="a positive int or None"
             )
-        self.path = os.fspath(path)
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise ValueError(f"path: expected a folder (or a new name), got the file {self.path}")
-        self.capacity_bytes = None if capacity_bytes is None else int(capacity_bytes)
+        self._path = _folder_arg(path)
+        self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.strict = strict
         self._fs = FileOps() if _fs is None else _fs
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            # Every name is used under the real path: a link inside the folder is never
+            # followed, and the folder itself then is none.
+            self._root = self._fs.makedirs(self.path)
+        except (FileExistsError, NotADirectoryError):
+            raise ValueError(
+                f"path: expected a folder (or a new name), got the file {self.path} "
+                "(or a path under one)"
+            ) from None
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._writing: dict[str, threading.Event] = {}  # keys being written, set when done
+        # Keys whose damaged or discarded file could not be removed: never promised or served
+        # again until a `put` of the block replaces the file.
+        self._unremoved: set[str] = set()
         self._unscanned = 0  # bytes this process wrote since its last rescan
         self._rescan(clean=True)
+
+    @property
+    def path(self) -> str:
+        """The folder, as given (read-only: the store's files and index are those of this
+        folder)."""
+        return self._path
+
+    @property
+    def fsync(self) -> bool:
+        """Flush each record to stable storage before it becomes visible (a bool)."""
+        return self._fsync
+
+    @fsync.setter
+    def fsync(self, value: bool) -> None:
+        self._fsync = bool_arg("fsync", value)
 
     # ---- the folder ------------------------------------------------------------------------
 
     def _rescan(self, clean: bool = False) -> None:
         """Rebuilds the index from the folder, oldest file first; with `clean`, also removes
         temporary files whose writer is gone. Files vanishing meanwhile (another process
-        evicting them) are skipped."""
+        evicting them) are skipped; what is not a plain file under a block's name, or not a
+        folder under a subfolder's name, is removed as damaged."""
         found = []
         now = time.time()
-        for sub in self._list(self.path):
-            if not _SUBFOLDER.match(sub):
+        for sub in self._list(self._root):
+            if not _SUBFOLDER.fullmatch(sub):
                 continue
-            folder = os.path.join(self.path, sub)
+            folder = os.path.join(self._root, sub)
             for name in self._list(folder):
                 file = os.path.join(folder, name)
                 if name.endswith(".tmp"):
@@ -168,14 +175,20 @@ class DiskStore(BlockStore):
                         self._remove(file)
                     continue
                 key = name[: -len(_SUFFIX)]
-                if not (name.endswith(_SUFFIX) and _KEY.match(key)):
+                if not (name.endswith(_SUFFIX) and _KEY.fullmatch(key)):
                     continue
                 try:
                     st = self._fs.stat(file)
                 except FileNotFoundError:
                     continue
+                except IrregularFileError as err:  # the subfolder was swapped for a link
+                    self._drop_damaged(None, err.filename)
+                    break
                 except OSError as err:
                     self._failed("scan", err)
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    self._drop_damaged(None, file)
                     continue
                 found.append((st.st_mtime_ns, key, st.st_size))
         found.sort()
@@ -189,31 +202,44 @@ class DiskStore(BlockStore):
             return self._fs.listdir(folder)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except IrregularFileError as err:
+            self._drop_damaged(None, err.filename)
+            return []
         except OSError as err:
             self._failed("scan", err)
             return []
 
     def _stale_tmp(self, name: str, file: str, now: float) -> bool:
-        match = _TMP.match(name)
+        match = _TMP.fullmatch(name)
         if match is not None and match[1] == _HOST and not _alive(int(match[2])):
             return True
         try:
-            return now - self._fs.stat(file).st_mtime > STALE_TMP_SECONDS
+            st = self._fs.stat(file)
         except OSError:
             return False  # gone already, or unreadable: leave it
+        # Not a plain file: no writer of this store made it.
+        return not stat.S_ISREG(st.st_mode) or now - st.st_mtime > STALE_TMP_SECONDS
 
-    def _remove(self, file: str) -> None:
+    def _remove(self, file: str) -> bool | None:
+        """Removes the name `file`: True when removed, None when gone already (or its folder
+        is not one of the store's: then that name goes), False when it stays (a failure,
+        counted and logged; raised when strict)."""
         try:
             self._fs.unlink(file)
+            return True
         except FileNotFoundError:
-            pass
+            return None
+        except IrregularFileError as err:  # its subfolder is a link or a special file
+            self._drop_damaged(None, err.filename)
+            return None
         except OSError as err:
             self._failed("remove", err)
+            return False
 
     def _file(self, key: str) -> str:
-        if not isinstance(key, str) or not _KEY.match(key):
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
             raise ValueError(f"key: expected 64 lowercase hex digits, got {key!r}")
-        return os.path.join(self.path, key[:2], key + _SUFFIX)
+        return os.path.join(self._root, key[:2], key + _SUFFIX)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -222,13 +248,19 @@ class DiskStore(BlockStore):
 
     def contains(self, key: str) -> bool:
         # The folder is the truth: another process sharing it may have written or evicted the
-        # file since this index last saw it. The header and size say whether the file is a
-        # whole record (a torn or truncated one is dropped, so `put` can write it again).
+        # file since this index last saw it. The header and size say whether the plain file
+        # is a whole record (a torn or truncated one is dropped, so `put` can write it again);
+        # its checksum is verified by `get`, which drops it when that fails.
         path = self._file(key)
+        if key in self._unremoved:
+            return False
         try:
             head, size = self._fs.head(path, _records.HEAD_BYTES)
         except FileNotFoundError:
             self._forget(key)
+            return False
+        except IrregularFileError as err:
+            self._drop_damaged(key, err.filename)
             return False
         except OSError as err:
             self._failed("read", err)
@@ -250,28 +282,53 @@ class DiskStore(BlockStore):
             if size is not None:
                 self._bytes -= size
 
-    def _drop_damaged(self, key: str, path: str) -> None:
-        self._forget(key)
-        self._remove(path)
+    def _drop_damaged(self, key: str | None, path: str) -> None:
+        """Removes the damaged name `path` (the file of `key`, or a name of the folder that
+        holds what the store never writes there) and counts it. A file of `key` that stays
+        is never promised or served again (until a `put` replaces it)."""
         self._count("verification_failures")
+        if path == self._root:  # the folder itself is never removed
+            return
+        if key is None:
+            self._remove(path)
+            return
+        self._forget(key)
+        self._remove_file(key, path)
+
+    def _remove_file(self, key: str, path: str) -> bool | None:
+        """`_remove(path)` for the file of `key`. Should the file stay, the key is no longer
+        promised or served (also when the failure is raised, strict)."""
+        with self._lock:
+            self._unremoved.add(key)
+        removed = self._remove(path)
+        if removed is not False:
+            with self._lock:
+                self._unremoved.discard(key)
+        return removed
 
     def get(self, key: str) -> BlockRecord | None:
         path = self._file(key)
+        if key in self._unremoved:
+            self._count("misses")
+            return None
         try:
             data = self._fs.read(path)
+            record = _records.decode(data, key)
         except FileNotFoundError:
             self._forget(key)
             self._count("misses")
             return None
+        except IrregularFileError as err:
+            self._count("misses")
+            self._drop_damaged(key, err.filename)
+            return None
+        except _records.CorruptRecordError:
+            self._count("misses")
+            self._drop_damaged(key, path)
+            return None
         except OSError as err:
             self._count("misses")
             self._failed("read", err)
-            return None
-        try:
-            record = _records.decode(data, key)
-        except _records.CorruptRecordError:
-            self._drop_damaged(key, path)
-            self._count("misses")
             return None
         try:
             self._fs.touch(path)  # recency for the other processes' rescans
@@ -284,6 +341,17 @@ class DiskStore(BlockStore):
             self._counters["blocks_loaded"] += 1
             self._counters["bytes_loaded"] += record.nbytes
         return record
+
+    def discard(self, key: str) -> bool:
+        """Removes the file of `key`, if any (see `BlockStore.discard`). A file that cannot be
+        removed (counted in `io_errors`; raised when strict) is never promised or served
+        again by this store, until a `put` of the block replaces it."""
+        path = self._file(key)
+        self._forget(key)
+        if self._remove_file(key, path):
+            self._count("discarded")
+            return True
+        return False
 
     def put(self, record: BlockRecord) -> bool:
         path = self._file(record.key)
@@ -312,7 +380,7 @@ class DiskStore(BlockStore):
             return False
         tmp = f"{path}.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
         try:
-            self._fs.makedirs(os.path.dirname(path))
+            self._fs.mkdir(os.path.dirname(path))
             self._fs.write(tmp, data, self.fsync)
             self._fs.replace(tmp, path)
         except OSError as err:
@@ -320,9 +388,13 @@ class DiskStore(BlockStore):
                 self._fs.unlink(tmp)
             except OSError:
                 pass  # never created, or the disk refuses even that: a stale file for later
+            if isinstance(err, IrregularFileError):  # swapped in since `contains` looked
+                self._drop_damaged(None, err.filename)
+                return False
             self._failed("write", err)
             return False
         with self._lock:
+            self._unremoved.discard(record.key)
             if record.key not in self._index:
                 self._index[record.key] = len(data)
                 self._bytes += len(data)
@@ -332,9 +404,10 @@ class DiskStore(BlockStore):
                 self._unscanned + len(data) > self.capacity_bytes * RESCAN_SHARE
             )
             self._unscanned += len(data)
-        if rescan:
-            self._rescan()
-        self._evict()
+        with tidying_scope():  # the record landed: what fails now is counted, not raised
+            if rescan:
+                self._rescan()
+            self._evict()
         return True
 
     def _evict(self) -> None:
@@ -345,16 +418,35 @@ class DiskStore(BlockStore):
             while self._bytes > self.capacity_bytes and len(self._index) > 1:
                 key, size = self._index.popitem(last=False)
                 self._bytes -= size
-                self._counters["evictions"] += 1
                 victims.append(key)
         for victim in victims:
-            self._remove(self._file(victim))
+            # Counted only when this store removed the file: another process may have evicted
+            # it first, and a file that stays (a failed removal) is found again by a rescan.
+            if self._remove(self._file(victim)):
+                self._count("evictions")
+
+
+def _folder_arg(path) -> str:
+    """`path` as a str, checked: the store names its files under it."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(
+            f"path: expected a folder path (a str or os.PathLike), got {type(path).__name__}"
+        )
+    if not path:
+        raise ValueError("path: expected a folder path, got ''")
+    return path
 
 
 def _alive(pid: int) -> bool:
-    """Whether process `pid` exists on this machine (a reused pid counts as alive)."""
+    """Whether process `pid` exists on this machine (a reused pid counts as alive). A name
+    in the folder says `pid`, so it may be any number: 0 and numbers no pid can be are no
+    process (`os.kill` would signal a process group, or fail with OverflowError)."""
     if pid == os.getpid():
         return True
+    if not 0 < pid < 1 << 31:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -5,24 +5,43 @@ Each block is one string value: the same self-describing, checksummed record as 
 the block's tokens under the connector's namespace, layout fingerprint and salt, so hosts that
 serve the same model with the same layout find each other's blocks, and nothing else.
 
-Every call of the connector is one round trip: a pipeline of `EXISTS` for lookups, one `MGET`
-for loads, a pipeline of `SET ... NX` for stores. Every read is verified (`_records.decode`);
-a record that fails is a miss and is deleted. Capacity is the server's business: give it a
-`maxmemory` and the `allkeys-lru` policy, and it evicts the least recently used blocks.
+Every call of the connector is one round trip: a pipeline of `STRLEN` for lookups, of `GET` for
+loads, of `SET ... NX` for stores. `STRLEN` and `GET` rather than `EXISTS` and `MGET` because
+they answer a key holding another type (a list, a hash) with an error in its place, where
+`EXISTS` says the key exists and `MGET` says nil: a lookup never promises a value no read can
+serve, and such a key is deleted, so the next store repairs it (`SET NX` alone would never
+replace it). Every read is verified (`_records.decode`); a record
+that fails is a miss and is deleted. A lookup cannot verify a checksum without reading the
+whole value: it promises a non-empty string, which the load then verifies. Capacity is the
+server's business: give it a `maxmemory` and the `allkeys-lru` policy, and it evicts the least
+recently used blocks.
 
 Faults never reach the serving loop. Each socket operation is bounded by `timeout_s`; a call
 that fails (server down, slow, restarted) reads as misses and drops its stores, counted in
-`stats()`. A circuit breaker then answers at once, without the network, for `retry_after_s`
-(doubling per further failure, up to `max_retry_after_s`); the first call after that probes
-the server and closes the breaker when it answers.
+`stats()`. Every reply is checked against what Redis answers to the command sent: one that is
+not (the wrong type, value or count, or bytes the parser cannot read) fails the call as a dead
+server does, and its connection is closed, so that no later call reads the rest of a garbled
+reply as its own answer. A circuit breaker then answers at once, without the network, for
+`retry_after_s` (doubling per further failure, up to `max_retry_after_s`); the first call after
+that probes the server and closes the breaker when it answers. An error the server answers to
+one command (out of memory, read-only replica) is a failure of that command only.
+
+The client speaks RESP2 unless the URL asks otherwise (`?protocol=3`): every Redis and Valkey
+server and every proxy speaks it, where RESP3 needs Redis 6 or later and a `HELLO` command that
+proxies may lack.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import math
+import numbers
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from jaxkv._checks import text_arg
 from jaxkv.connector import _records
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector.stores import BlockStore
@@ -35,11 +54,95 @@ _INSTALL = (
 # Counters this store adds to `BlockStore`'s.
 _REMOTE_COUNTERS = ("round_trips", "dropped", "unavailable", "breaker_trips")
 
+#: The longest time a `RedisStore` argument may name, in seconds (one day). Sockets refuse
+#: infinite or enormous timeouts (`OverflowError` past the platform's `time_t`, `ValueError`
+#: for NaN) only when first used, inside every call; a bound checked at construction names the
+#: argument instead, and no sane timeout or back-off is longer.
+MAX_SECONDS = 86400.0
 
-def _positive(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
-    return float(value)
+
+def _seconds(name: str, value) -> float:
+    """`value` as float seconds when it is a real number in `(0, MAX_SECONDS]` (NaN, infinities
+    and bools refused); else `ValueError` naming `name`."""
+    try:
+        seconds = float(value) if isinstance(value, numbers.Real) else math.nan
+    except OverflowError:  # an int past the floats
+        seconds = math.inf
+    if isinstance(value, bool) or not 0 < seconds <= MAX_SECONDS:  # False for NaN too
+        raise ValueError(
+            f"{name}: expected a finite number of seconds in (0, {MAX_SECONDS:g}], got {value!r}"
+        )
+    return seconds
+
+
+class _BadReply(Exception):
+    """A reply no Redis server gives to the command that was sent."""
+
+
+def _describe(reply) -> str:
+    """What a reply is, for a log line: its type and size, never its bytes."""
+    if isinstance(reply, (bytes, bytearray, str)):
+        return f"{type(reply).__name__} of length {len(reply)}"
+    if isinstance(reply, (list, tuple, set, dict)):
+        return f"{type(reply).__name__} of {len(reply)} items"
+    if isinstance(reply, int) and not isinstance(reply, bool) and abs(reply) < 10**12:
+        return f"int {reply}"
+    return type(reply).__name__
+
+
+def _count_reply(reply, at_most: int | None = None) -> int:
+    """The reply of a command answering a count (`STRLEN`, `DEL`, `DBSIZE`)."""
+    if (
+        isinstance(reply, int)
+        and not isinstance(reply, bool)
+        and reply >= 0
+        and (at_most is None or reply <= at_most)
+    ):
+        return reply
+    bound = "" if at_most is None else f" and <= {at_most}"
+    raise _BadReply(f"expected an integer >= 0{bound}, got {_describe(reply)}")
+
+
+def _value_reply(reply) -> bytes | None:
+    """The reply of `GET`: the value's bytes, or `None` for an absent key."""
+    if reply is None or isinstance(reply, bytes):
+        return reply
+    raise _BadReply(f"GET: expected a bulk string or nil, got {_describe(reply)}")
+
+
+def _set_reply(reply) -> bool:
+    """The reply of `SET ... NX`: `True` when it stored the value, `False` when the key was
+    held."""
+    if reply is None:
+        return False
+    if reply == b"OK":
+        return True
+    raise _BadReply(f"SET NX: expected OK or nil, got {_describe(reply)}")
+
+
+def _info_reply(reply) -> bytes:
+    if isinstance(reply, bytes):
+        return reply
+    raise _BadReply(f"INFO: expected a bulk string, got {_describe(reply)}")
+
+
+def _used_memory(info: bytes) -> int | None:
+    """`used_memory` from the text of `INFO memory`, or `None` when it holds no such line."""
+    for line in info.splitlines():
+        if line.startswith(b"used_memory:"):
+            digits = line[len(b"used_memory:") :].strip()
+            # Bounded, and ASCII digits only: `int` also takes "1_000", " 12" or 5000 digits.
+            if 0 < len(digits) <= 20 and digits.isdigit():
+                return int(digits)
+            return None
+    return None
+
+
+def _server_fault(err: BaseException) -> bool:
+    """Whether an exception raised while talking to the server is the server's doing (any
+    `Exception` of redis-py, its parser or the socket), rather than this process's
+    (`KeyboardInterrupt`, `SystemExit`, `MemoryError`), which must propagate."""
+    return isinstance(err, Exception) and not isinstance(err, MemoryError)
 
 
 class RedisStore(BlockStore):
@@ -53,21 +156,28 @@ class RedisStore(BlockStore):
         key_prefix: put before every block key on the server; separates caches that share
             one database.
         retry_after_s: how long the circuit breaker stays open after the first failure.
-        max_retry_after_s: the longest it stays open after repeated failures.
+        max_retry_after_s: the longest it stays open after repeated failures; at least
+            `retry_after_s`. Default: 30 s, or `retry_after_s` when that is longer.
+
+    Every time is a number of seconds in `(0, MAX_SECONDS]` (one day).
 
     Raises:
         ImportError: redis-py is not installed (extra `redis`).
         TypeError: a `url` or `key_prefix` that is not a string.
-        ValueError: a malformed `url` or a non-positive time.
+        ValueError: a malformed `url` (or one asking for decoded replies), a `url` or
+            `key_prefix` UTF-8 cannot encode, a time that is not a finite number of seconds in
+            `(0, MAX_SECONDS]`, or a `max_retry_after_s` below `retry_after_s`.
 
     `stats()` adds to the common counters: `round_trips` (to the server, for blocks),
     `dropped` (blocks not stored because the server failed or the breaker was open),
     `unavailable` (calls answered without the network while the breaker was open) and
     `breaker_trips`; `blocks` and `bytes` are the server's key count and memory in use (0
-    while it is unreachable).
+    while it is unreachable). `verification_failures` counts the records found damaged and
+    the keys found holding another type than a string; each is deleted from the server.
 
     Its methods never raise the server's failures, even under a strict `KVConnector`: a
-    failed call is counted (`io_errors`) and answered as misses or dropped stores.
+    failed call (the server down, slow, or answering what Redis never answers) is counted
+    (`io_errors`), logged, and answered as misses or dropped stores.
 
     Example:
         >>> store = RedisStore("redis://cache-host:6379/0", timeout_s=0.5)  # doctest: +SKIP
@@ -80,7 +190,7 @@ class RedisStore(BlockStore):
         timeout_s: float = 1.0,
         key_prefix: str = "jaxkv:",
         retry_after_s: float = 1.0,
-        max_retry_after_s: float = 30.0,
+        max_retry_after_s: float | None = None,
     ):
         super().__init__()
         try:
@@ -89,30 +199,44 @@ class RedisStore(BlockStore):
             from redis.retry import Retry
         except ImportError as err:
             raise ImportError(_INSTALL) from err
-        if not isinstance(url, str):
-            raise TypeError(f"url: expected a redis:// URL string, got {type(url).__name__}")
-        if not isinstance(key_prefix, str):
-            raise TypeError(f"key_prefix: expected a str, got {type(key_prefix).__name__}")
-        self.timeout_s = _positive("timeout_s", timeout_s)
-        self.retry_after_s = _positive("retry_after_s", retry_after_s)
-        self.max_retry_after_s = _positive("max_retry_after_s", max_retry_after_s)
-        self.url = url
-        self.key_prefix = key_prefix
+        self.url = text_arg("url", url)
+        self.key_prefix = text_arg("key_prefix", key_prefix)
+        self.timeout_s = _seconds("timeout_s", timeout_s)
+        self.retry_after_s = _seconds("retry_after_s", retry_after_s)
+        if max_retry_after_s is None:
+            max_retry_after_s = max(30.0, self.retry_after_s)
+        self.max_retry_after_s = _seconds("max_retry_after_s", max_retry_after_s)
+        if self.max_retry_after_s < self.retry_after_s:
+            # The breaker's wait only grows from `retry_after_s`: a smaller maximum is a typo.
+            raise ValueError(
+                f"max_retry_after_s: expected at least retry_after_s ({self.retry_after_s:g} "
+                f"s), got {max_retry_after_s!r}"
+            )
         self._counters.update(dict.fromkeys(_REMOTE_COUNTERS, 0))
         # No retries inside redis-py: a retry would double the time a dead server costs the
-        # caller; the breaker decides when to try again.
+        # caller; the breaker decides when to try again. RESP2 unless the URL says otherwise
+        # (see the module docstring).
         try:
             self._client = redis.Redis.from_url(
                 url,
                 socket_timeout=self.timeout_s,
                 socket_connect_timeout=self.timeout_s,
                 retry=Retry(NoBackoff(), 0),
+                protocol=2,
             )
         except ValueError as err:  # redis-py's message does not say which argument
             raise ValueError(
                 f"url: expected a redis://, rediss:// or unix:// URL, got {url!r} ({err})"
             ) from err
-        self._errors = (redis.RedisError, OSError)
+        pool = self._client.connection_pool
+        if pool.connection_kwargs.get("decode_responses"):
+            raise ValueError(
+                f"url: expected a URL without decode_responses (records are bytes), got {url!r}"
+            )
+        self._pool = pool
+        self._take = _connection_taker(pool)
+        self._error_reply = redis.ResponseError
+        self._oom = getattr(redis.exceptions, "OutOfMemoryError", ())
         self._connection_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
         # Circuit breaker: closed while `_open_until` is 0; open (every call answered locally)
         # until then; the first call past it probes while the others still answer locally.
@@ -146,29 +270,95 @@ class RedisStore(BlockStore):
             self._open_until = time.monotonic() + self._backoff
             self._count("breaker_trips")
 
-    def _call(self, send, *, counted: bool = True):
-        """`send(client)` once, one round trip; `None` when the breaker is open or the server
-        failed (which opens the breaker). Server replies that are errors of one command (e.g.
-        out of memory) are returned in place by pipelines, not raised. `counted`: a call for
-        blocks, counted in `round_trips` and `unavailable` (`stats` asking sizes is not)."""
+    # ---- one round trip --------------------------------------------------------------------
+
+    def _call(self, commands: list[tuple], parse: Callable[[list], list], *, counted=True):
+        """Sends `commands` (argument tuples) in one write on one connection, reads one reply
+        per command and returns `parse(replies)`; `None` when the breaker is open or the call
+        failed. `counted`: a call for blocks, counted in `round_trips` and `unavailable`
+        (`stats` asking sizes is not).
+
+        An error the server answers to one command stays in place in `replies` (an instance
+        of redis-py's `ResponseError`): the stream is in step and the server is there, so the
+        caller decides what it means for that key. `parse` raises `_BadReply` for a reply no
+        Redis server gives to the command.
+
+        Any other failure fails the whole call: counted in `io_errors`, logged per class,
+        and it opens the breaker. That covers the connection's failures (refused, reset,
+        timed out) and the reply's: bytes redis-py's parser cannot read (its `InvalidResponse`,
+        a `ValueError` of a non-numeric integer, a `RecursionError` of absurdly nested
+        arrays...) and replies `parse` refuses. A server that answers garbage once is not to be
+        trusted with the next call either (a wrong service on the port, a broken proxy): it
+        is treated as down, and the probe after `retry_after_s` finds out whether it recovered.
+        The connection of a failed call is closed before it goes back to the pool: the rest
+        of a garbled or cut reply may still arrive on it, and the next call must not read it
+        as its own answer.
+
+        Exceptions that are not the server's doing (`KeyboardInterrupt`, `MemoryError`)
+        propagate, after the same cleanup.
+        """
         if not self._admit(counted):
             return None
         if counted:
             self._count("round_trips")
+        conn, in_step = None, False
         try:
-            result = send(self._client)
-        except self._errors as err:
+            conn = self._take()
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies = [self._read(conn) for _ in commands]
+            result = parse(replies)
+            in_step = True
+        except BaseException as err:
+            if not _server_fault(err):
+                with self._breaker:  # not the server's doing: let the next call probe
+                    self._probing = False
+                raise
+            kind = "server call" if isinstance(err, self._connection_errors) else "server reply"
             self._count("io_errors")
-            self._failures.note("server call", err)  # logged as the other stores' failures
-            # A command error (not the connection's) means the server is there: no trip.
-            self._settle(not isinstance(err, self._connection_errors))
+            self._failures.note(kind, err)  # logged as the other stores' failures
+            self._settle(False)
             return None
-        except BaseException:
-            with self._breaker:  # not the server's doing: let the next call probe
-                self._probing = False
-            raise
+        finally:
+            if conn is not None:
+                if not in_step:
+                    with contextlib.suppress(Exception):
+                        conn.disconnect()
+                self._pool.release(conn)
         self._settle(True)
         return result
+
+    def _read(self, conn):
+        """One reply; an error reply is returned in place (redis-py raises it once read)."""
+        try:
+            return conn.read_response()
+        except self._error_reply as err:
+            return err
+
+    def _each(self, check: Callable) -> Callable[[list], list]:
+        """A `parse` applying `check` to every reply that is not an error reply."""
+        error_reply = self._error_reply
+        return lambda replies: [r if isinstance(r, error_reply) else check(r) for r in replies]
+
+    def _failed_command(self, err: Exception) -> None:
+        """An error the server answered to a command: the command failed, the server is up."""
+        self._count("io_errors")
+        self._failures.note("server command", err)
+
+    def _is_wrong_type(self, reply) -> bool:
+        return isinstance(reply, self._error_reply) and str(reply).startswith("WRONGTYPE")
+
+    def _remove_damaged(self, names: list[str]) -> None:
+        """Deletes values found damaged or of another type, counted in
+        `verification_failures`: whoever stores the block next writes a good record, which
+        `SET NX` would never do over them. One more round trip, only when any was found."""
+        if not names:
+            return
+        self._count("verification_failures", len(names))
+        replies = self._call(
+            [("DEL", *names)], self._each(lambda r: _count_reply(r, at_most=len(names)))
+        )
+        if replies is not None and isinstance(replies[0], self._error_reply):
+            self._failed_command(replies[0])
 
     # ---- BlockStore ------------------------------------------------------------------------
 
@@ -185,22 +375,30 @@ class RedisStore(BlockStore):
         return self.put_many([record])[0]
 
     def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+        """Per key, whether the server holds a non-empty string under it (see `BlockStore`).
+
+        A key holding another type is not held, and is deleted; the checksum of a held value
+        is verified only when it is read."""
         if not keys:
             return []
-
-        def send(client):
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._name(key))
-            return pipe.execute(raise_on_error=False)
-
-        replies = self._call(send)
-        if replies is None:
-            return [False] * len(keys)
-        held = [reply == 1 for reply in replies]
-        if stop_at_miss and False in held:
-            first = held.index(False)
-            held[first:] = [False] * (len(held) - first)
+        names = [self._name(k) for k in keys]
+        lengths = self._call([("STRLEN", n) for n in names], self._each(_count_reply))
+        held = [False] * len(keys)
+        if lengths is None:
+            return held
+        damaged, failure = [], None
+        for i, (name, length) in enumerate(zip(names, lengths)):
+            if self._is_wrong_type(length):
+                damaged.append(name)
+            elif isinstance(length, self._error_reply):
+                failure = failure or length
+            else:
+                held[i] = length > 0
+            if stop_at_miss and not held[i]:
+                break  # the rest was not asked for
+        if failure is not None:
+            self._failed_command(failure)
+        self._remove_damaged(damaged)
         return held
 
     def get_many(
@@ -208,72 +406,108 @@ class RedisStore(BlockStore):
     ) -> list[BlockRecord | None]:
         if not keys:
             return []
-        values = self._call(lambda client: client.mget([self._name(k) for k in keys]))
+        names = [self._name(k) for k in keys]
+        # Per-key GETs, not one MGET: MGET answers nil for a key of another type, which would
+        # read as absent while STRLEN, SET NX and the server's memory say otherwise.
+        values = self._call([("GET", n) for n in names], self._each(_value_reply))
+        records: list[BlockRecord | None] = [None] * len(keys)
         if values is None:
             self._count("misses", 1 if stop_at_miss else len(keys))
-            return [None] * len(keys)
-        records: list[BlockRecord | None] = [None] * len(keys)
-        corrupt = []
-        for i, (key, value) in enumerate(zip(keys, values)):
-            if value is not None:
+            return records
+        damaged, failure = [], None
+        for i, (key, name, value) in enumerate(zip(keys, names, values)):
+            if self._is_wrong_type(value):
+                damaged.append(name)
+            elif isinstance(value, self._error_reply):
+                failure = failure or value
+            elif value is not None:
                 try:
                     records[i] = _records.decode(value, key)
-                except _records.CorruptRecordError:
-                    corrupt.append(self._name(key))
-                    self._count("verification_failures")
-            if records[i] is None:
+                except Exception as err:  # any bytes may come: none that fail are served
+                    if not _server_fault(err):
+                        raise
+                    damaged.append(name)
+            record = records[i]
+            if record is None:
                 self._count("misses")
                 if stop_at_miss:
                     break
             else:
                 self._count("hits")
                 self._count("blocks_loaded")
-                self._count("bytes_loaded", records[i].nbytes)
-        if corrupt:
-            # Whoever stores the block next writes a good record; `SET NX` would keep the
-            # bad one forever.
-            self._call(lambda client: client.delete(*corrupt))
+                self._count("bytes_loaded", record.nbytes)
+        if failure is not None:
+            self._failed_command(failure)
+        self._remove_damaged(damaged)
         return records
 
     def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
         if not records:
             return []
-        values = [_records.encode(r) for r in records]
-
-        def send(client):
-            pipe = client.pipeline(transaction=False)
-            for record, value in zip(records, values):
-                pipe.set(self._name(record.key), value, nx=True)
-            return pipe.execute(raise_on_error=False)
-
-        replies = self._call(send)
+        commands = [("SET", self._name(r.key), _records.encode(r), "NX") for r in records]
+        replies = self._call(commands, self._each(_set_reply))
         if replies is None:
             self._count("dropped", len(records))
             return [False] * len(records)
-        stored = []
+        stored, failure = [], None
         for record, reply in zip(records, replies):
-            if isinstance(reply, Exception):  # e.g. OOM under `maxmemory` with noeviction
-                self._count("rejected")
+            if isinstance(reply, self._error_reply):
+                if isinstance(reply, self._oom) or str(reply).startswith("OOM"):
+                    self._count("rejected")  # full under `maxmemory` with noeviction
+                else:
+                    failure = failure or reply  # e.g. a read-only replica
                 self._count("dropped")
-            elif reply:
+                stored.append(False)
+                continue
+            if reply:
                 self._count("blocks_stored")
                 self._count("bytes_stored", record.nbytes)
-            stored.append(bool(reply) and not isinstance(reply, Exception))
+            stored.append(reply)
+        if failure is not None:
+            self._failed_command(failure)
         return stored
+
+    def discard(self, key: str) -> bool:
+        """Deletes the value under `key` (see `BlockStore.discard`); `False` when there was
+        none or the server failed (counted in `io_errors`, never raised)."""
+        replies = self._call(
+            [("DEL", self._name(key))], self._each(lambda r: _count_reply(r, at_most=1))
+        )
+        if replies is None:
+            return False
+        if isinstance(replies[0], self._error_reply):
+            self._failed_command(replies[0])
+            return False
+        if replies[0]:
+            self._count("discarded")
+            return True
+        return False
 
     # ---- size ------------------------------------------------------------------------------
 
     def _server_size(self) -> tuple[int, int]:
-        def send(client):
-            pipe = client.pipeline(transaction=False)
-            pipe.dbsize()
-            pipe.info("memory")
-            return pipe.execute()
+        error_reply = self._error_reply
 
-        replies = self._call(send, counted=False)
+        def parse(replies):
+            keys, info = replies
+            return [
+                keys if isinstance(keys, error_reply) else _count_reply(keys),
+                info if isinstance(info, error_reply) else _info_reply(info),
+            ]
+
+        replies = self._call([("DBSIZE",), ("INFO", "memory")], parse, counted=False)
         if replies is None:
             return 0, 0
-        return int(replies[0]), int(replies[1].get("used_memory", 0))
+        keys, info = replies
+        for reply in replies:
+            if isinstance(reply, error_reply):
+                self._failed_command(reply)
+                return 0, 0
+        used = _used_memory(info)
+        if used is None:  # a server (or proxy) that does not report it: a failed command
+            self._failed_command(_BadReply("INFO memory: expected a used_memory line"))
+            return 0, 0
+        return keys, used
 
     def __len__(self) -> int:
         """Keys in the server's database (all of them: give the cache a database of its own),
@@ -293,3 +527,15 @@ class RedisStore(BlockStore):
     def close(self) -> None:
         """Closes the connections to the server."""
         self._client.close()
+
+
+def _connection_taker(pool) -> Callable:
+    """`pool.get_connection` as a function of no arguments: redis-py before 5.3 requires a
+    command name (any one), later versions deprecate passing it."""
+    try:
+        param = inspect.signature(pool.get_connection).parameters.get("command_name")
+    except (TypeError, ValueError):
+        param = None
+    if param is not None and param.default is inspect.Parameter.empty:
+        return lambda: pool.get_connection("GET")
+    return pool.get_connection

@@ -7,33 +7,54 @@ A write goes to every tier. Each tier keeps its own capacity, eviction and verif
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxkv._checks import bool_arg
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import BlockStore
+from jaxkv.connector.stores import BlockStore, strict_scope
 
-# Counters summed from the tiers: failures of any tier are failures of the stack.
-_FROM_TIERS = ("verification_failures", "evictions", "io_errors", "rejected")
+# Counters summed from the tiers (added to the stack's own): failures of any tier are
+# failures of the stack.
+_FROM_TIERS = ("verification_failures", "evictions", "io_errors", "rejected", "undiscarded")
+
+
+def _in_strict_scope(method):
+    """Runs `method` with every tier strict when the stack itself is set strict."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with strict_scope(self._strict):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class TieredStore(BlockStore):
     """Several stores as one, fastest first: reads try tiers in order and promote hits into
     the faster tiers; writes go to every tier (write-through).
 
-    A `put` is `True` when any tier newly stored the record. `stats()` has the stack's own
-    counters (hits and misses of the stack as a whole, `promotions`: records copied into
-    faster tiers), the failures of all tiers summed, and under `"tiers"` each tier's `stats()`,
-    in order. `blocks` is the most any tier holds, `bytes` the sum over tiers.
+    A `put` is `True` when any tier newly stored the record; `discard` removes the record
+    from every tier. `stats()` has the stack's own counters (hits and misses of the stack as
+    a whole; `promotions`: copies a faster tier newly stored of records a slower tier
+    answered, so a record promoted into two tiers counts twice and one a full tier refused
+    counts nothing; `discarded`: `discard` calls that removed the record from some tier), the
+    failures of all tiers summed (`undiscarded` too), and under `"tiers"` each tier's
+    `stats()`, in order. `blocks` is the most any tier holds, `bytes` the sum over tiers.
+
+    Strictness: the stack is strict when set so (`strict = True`: its calls then run with
+    every tier strict) or when any tier is. Its methods raise what a tier raises (an
+    `OSError` of a strict tier, or of any tier under a strict stack or `KVConnector`), at the
+    first tier that does, with one exception: a promotion that fails is that faster tier's
+    failed write, counted (`io_errors`) and logged, and never raised, strict or not. The read
+    it follows has its records in hand; raising would turn them into a failure.
 
     Args:
         *stores: the tiers, fastest first (e.g. host memory, local disk, Redis).
 
     Raises:
         TypeError: no store, or one that is not a `BlockStore`.
-
-    Its methods raise what a tier raises (an `OSError` of a strict tier, or of any tier under
-    a strict `KVConnector`), at the first tier that does.
 
     Example:
         >>> import tempfile
@@ -51,7 +72,6 @@ class TieredStore(BlockStore):
             if not isinstance(store, BlockStore):
                 raise TypeError(f"stores[{i}]: expected a BlockStore, got {type(store).__name__}")
         self.tiers = tuple(stores)
-        self._strict = False
         self._counters["promotions"] = 0
 
     def __len__(self) -> int:
@@ -65,7 +85,7 @@ class TieredStore(BlockStore):
 
     @strict.setter
     def strict(self, value: bool) -> None:
-        self._strict = bool(value)
+        self._strict = bool_arg("strict", value)
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +96,7 @@ class TieredStore(BlockStore):
         with self._lock:
             counters = dict(self._counters)
         for name in _FROM_TIERS:
-            counters[name] = sum(t.get(name, 0) for t in tiers)
+            counters[name] += sum(t.get(name, 0) for t in tiers)
         blocks = max(t.get("blocks", 0) for t in tiers)
         return {
             **counters,
@@ -123,33 +143,52 @@ class TieredStore(BlockStore):
                 break
         return found
 
+    @_in_strict_scope
     def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+        stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
         found = self._find(
             keys, lambda tier, ks, stop: tier.contains_many(ks, stop_at_miss=stop), stop_at_miss
         )
         return [f is not None for f in found]
 
+    @_in_strict_scope
     def get_many(
         self, keys: Sequence[str], *, stop_at_miss: bool = False
     ) -> list[BlockRecord | None]:
+        stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
         found = self._find(
             keys, lambda tier, ks, stop: tier.get_many(ks, stop_at_miss=stop), stop_at_miss
         )
         # Promotion: what tier t answered goes into tiers 0..t-1, one batch per tier.
+        promoted = 0
         for t in range(len(self.tiers) - 1):
             slower = [f[1] for f in found if f is not None and f[0] > t]
             if slower:
-                self.tiers[t].put_many(slower)
+                promoted += self._promote(self.tiers[t], slower)
         records = [None if f is None else f[1] for f in found]
         hits = [r for r in records if r is not None]
         with self._lock:
             c = self._counters
-            c["promotions"] += sum(1 for f in found if f is not None and f[0] > 0)
+            c["promotions"] += promoted
             c["hits"] += len(hits)
             c["blocks_loaded"] += len(hits)
             c["bytes_loaded"] += sum(r.nbytes for r in hits)
             c["misses"] += (1 if None in records else 0) if stop_at_miss else len(keys) - len(hits)
         return records
+
+    def _promote(self, tier: BlockStore, records: list[BlockRecord]) -> int:
+        """Copies `records` into the faster `tier`; returns how many it newly stored.
+
+        A failure is the tier's failed write: the tier counted and logged it (else the stack
+        does), and it is not raised, strict or not: the read already has its records.
+        """
+        try:
+            return sum(tier.put_many(records))
+        except OSError as err:
+            if not getattr(err, "jaxkv_counted", False):
+                self._count("io_errors")
+                self._failures.note("promotion", err)
+            return sum(getattr(err, "jaxkv_written", ()))
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
@@ -157,8 +196,26 @@ class TieredStore(BlockStore):
     def get(self, key: str) -> BlockRecord | None:
         return self.get_many([key])[0]
 
+    @_in_strict_scope
+    def discard(self, key: str) -> bool:
+        """Removes the record of `key` from every tier (the wrong record was promoted into the
+        faster ones too); `True` when some tier removed one. A tier that raises does not stop
+        the others: the first error is raised once every tier was asked."""
+        removed, error = False, None
+        for tier in self.tiers:
+            try:
+                removed = tier.discard(key) or removed
+            except OSError as err:
+                error = err if error is None else error
+        if removed:
+            self._count("discarded")
+        if error is not None:
+            raise error
+        return removed
+
     # ---- writes ----------------------------------------------------------------------------
 
+    @_in_strict_scope
     def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
         """Writes every record to every tier. A tier that raises stops the write there; the
         error carries, as `err.jaxkv_written`, which records a tier newly stored so far."""
@@ -174,7 +231,7 @@ class TieredStore(BlockStore):
                 finally:
                     stored[: len(answers)] = [a or b for a, b in zip(stored, answers)]
         except Exception as err:
-            err.jaxkv_written = stored
+            err.jaxkv_written = stored  # type: ignore[attr-defined]  # read back with getattr
             raise
         finally:
             with self._lock:

@@ -8,7 +8,15 @@ donate the pool, and prefix reuse through `jaxkv.connector`.
 """
 
 from jaxkv.models.decoder import LOGIT_BOUNDS, Decoder, DecoderConfig
-from jaxkv.models.serving import CompiledSteps, Engine, Request, Result, bucket, steps_for
+from jaxkv.models.serving import (
+    CompiledSteps,
+    Engine,
+    Request,
+    Result,
+    bucket,
+    params_fingerprint,
+    steps_for,
+)
 from jaxkv.models.tokenizer import ByteTokenizer
 
 __all__ = [
@@ -21,5 +29,6 @@ __all__ = [
     "Request",
     "Result",
     "bucket",
+    "params_fingerprint",
     "steps_for",
 ]

@@ -177,4 +177,4 @@ class MLA:
         return jnp.einsum("lhv,hve->le", o, p["o"])
 
 
-VARIANTS = {"gqa": GQA, "mla": MLA}
+VARIANTS: dict[str, type[GQA] | type[MLA]] = {"gqa": GQA, "mla": MLA}

@@ -68,8 +68,8 @@ def over_query_chunks(fn, *xs, chunk: int = 256):
     """`fn(*xs)` computed `chunk` queries at a time; each `x` is `(B, T, ...)`.
 
     A long prefill's scores `(B, heads, T, C)` are hundreds of MiB; in chunks they stay in
-    cache. Measured on the 4-layer demo model, a 2,304-token prefill: 6.0 s in one block,
-    see BUILD_NOTES.md for the chunked figure. Shapes that do not split evenly run whole.
+    cache (docs/performance.md times both on the demo model). Shapes that do not split evenly
+    run whole.
     """
     t = xs[0].shape[1]
     if t <= chunk or t % chunk:

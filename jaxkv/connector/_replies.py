@@ -1,0 +1,75 @@
+"""What the connector accepts from a store: answers of the right type and length, and records
+that are the blocks their keys name. Anything else is the store failing (an answer) or a miss
+(a record), never data."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from jaxkv._checks import is_int
+from jaxkv.connector import _hashing
+from jaxkv.connector._records import BlockRecord
+from jaxkv.errors import StoreReplyError
+
+
+def is_block(record: BlockRecord, key: str, block_tokens: bytes, fingerprint: str, want) -> bool:
+    """Whether `record` is the block that `key` names: that key, the layout `fingerprint`, the
+    digest of `block_tokens`, and exactly the parts of `want` (part key -> (shape, dtype)),
+    each a numpy array of that shape and dtype. Whatever the store handed back, a record that
+    is anything else (or that breaks these checks by raising) is not that block."""
+    try:
+        if record.key != key or record.layout != fingerprint:
+            return False
+        if record.tokens != _hashing.block_digest(block_tokens):
+            return False
+        parts = record.parts
+        if not isinstance(parts, Mapping) or parts.keys() != want.keys():
+            return False
+        for name, (shape, dtype) in want.items():
+            arr = parts[name]
+            if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != dtype:
+                return False
+        return True
+    except Exception:
+        return False
+
+
+def is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def is_record_or_none(value) -> bool:
+    return value is None or isinstance(value, BlockRecord)
+
+
+def answers(answer, n: int, ok, what: str) -> list:
+    """`answer` as a list when it is a list or tuple of `n` entries that each pass `ok`; else
+    `StoreReplyError` saying what came instead."""
+    if not isinstance(answer, (list, tuple)):
+        raise StoreReplyError(f"expected a list of {n} {what}, got {type(answer).__name__}")
+    if len(answer) != n:
+        raise StoreReplyError(f"expected a list of {n} {what}, got {len(answer)} entries")
+    for i, value in enumerate(answer):
+        if not ok(value):
+            raise StoreReplyError(f"expected {what}, got {type(value).__name__} at [{i}]")
+    return list(answer)
+
+
+def checked_bool(answer) -> bool:
+    if not is_bool(answer):
+        raise StoreReplyError(f"expected a bool, got {type(answer).__name__}")
+    return bool(answer)
+
+
+def stats_dict(answer) -> dict:
+    if not isinstance(answer, Mapping):
+        raise StoreReplyError(f"expected a dict of counters, got {type(answer).__name__}")
+    return dict(answer)
+
+
+def count_of(stats: dict, name: str) -> int:
+    """A store counter as an int; one that is not an int (a store's bug) counts as 0."""
+    value = stats.get(name, 0)
+    return int(value) if is_int(value) else 0
