@@ -60,9 +60,9 @@ _NO_POOL = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PrefixMatch:
-    """What `RadixCache.match_prefix` found.
+    """What `RadixCache.match_prefix` found (compared by identity: its slots are an array).
 
     Attributes:
         slots: int64 numpy array, the device slots of the longest cached prefix (a multiple of
@@ -161,14 +161,15 @@ def _tokens(token_ids) -> np.ndarray:
 def _matched(edge: np.ndarray, tokens: np.ndarray, page: int) -> int:
     """Leading tokens of `edge` equal to `tokens`, in whole pages; the first page is known to
     match (the child was found by it). Compares in doubling chunks, so the cost follows the
-    match, not the edge."""
+    match, not the edge; a chunk is compared as bytes first, the usual outcome on a walk being
+    a whole edge that matches."""
     n = min(edge.size, tokens.size)
     done, step = page, _FIRST_COMPARE
     while done < n:
         hi = min(n, done + step)
-        diff = np.flatnonzero(edge[done:hi] != tokens[done:hi])
-        if diff.size:
-            return done + int(diff[0]) // page * page
+        a, b = edge[done:hi], tokens[done:hi]
+        if a.tobytes() != b.tobytes():
+            return done + int(np.argmax(a != b)) // page * page
         done, step = hi, 2 * step
     return n
 
@@ -303,6 +304,7 @@ class RadixCache:
         lower half keeps the object (handles keep naming the same prefix end) and its stamp.
         The upper half is created now, so its stamp is newer than the walk's."""
         parent = node.parent
+        assert parent is not None  # only nodes below the root are split
         upper = _Node(
             self,
             node.key[:k],
@@ -480,15 +482,16 @@ class RadixCache:
         starts = new[::page]
         if page > 1:
             off = new.reshape(-1, page) - starts[:, None]
-            bad = np.flatnonzero((starts % page != 0) | np.any(off != np.arange(page), axis=1))
-            if bad.size:
-                got = new[bad[0] * page : (bad[0] + 1) * page].tolist()
+            odd = np.flatnonzero((starts % page != 0) | np.any(off != np.arange(page), axis=1))
+            if odd.size:
+                got = new[odd[0] * page : (odd[0] + 1) * page].tolist()
                 raise ValueError(
                     f"slots: expected whole pages for the tokens not yet cached (a page's "
                     f"{page} slots are page * {page} + 0..{page - 1}, in order), got {got}"
                 )
         pages = starts // page
-        if np.unique(pages).size != pages.size:
+        ascending = bool(np.all(pages[1:] > pages[:-1]))  # as allocators hand them out
+        if not ascending and np.unique(pages).size != pages.size:
             raise ValueError(
                 "slots: expected distinct pages for the tokens not yet cached, got a page twice"
             )
@@ -646,20 +649,22 @@ class RadixCache:
             entry = heapq.heappop(self._heap)
             if not self._valid(entry):
                 continue
-            node = entry[2]
-            del node.parent.children[node.first]
+            node, parent = entry[2], entry[2].parent
+            assert parent is not None  # the root is never in the heap
+            del parent.children[node.first]
             node.alive = False
             self._nodes -= 1
             self._evictable -= node.key.size
             self._total -= node.key.size
             victims.append(node)
             freed += node.key.size
-            self._push_if_evictable(node.parent)
+            self._push_if_evictable(parent)
         return victims
 
     def _reattach(self, victims: list[_Node]) -> None:
         """Puts detached leaves back, last first, as they were (an eviction that failed)."""
         for node in reversed(victims):
+            assert node.parent is not None  # victims are leaves below the root
             node.parent.children[node.first] = node
             node.alive = True
             self._nodes += 1
@@ -784,6 +789,7 @@ class RadixCache:
                 self._release(victims)
             k = min(want, self.allocator.available_size() // bs * bs)
             slots = self.allocator.alloc(k)
+            assert slots is not None  # k is at most what is free
             pool, n = self.connector.load(pool, tokens[: start + k], slots, salt=salt, start=start)
         except BaseException:
             self.allocator.restore_state(state)

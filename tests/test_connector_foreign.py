@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import UnsupportedKVCacheError
 from jaxkv.connector import HostStore, KVConnector
 
 SIZE, PAGE = 32, 4
@@ -225,3 +226,27 @@ def test_a_strided_index_buffer_is_read_but_not_written():
         conn.load(dst, TOKENS, SLOTS)
     for got, want in zip(dst.kv_buffer, before):
         np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"kv_buffer": (6, 4, 2, 2, 8)},  # sglang-jax's fused MHA: (pages, page_size, 2H/p, p, D)
+        {"kv_buffer": (6, 2, 2, 16)},  # sglang-jax's MLA: (pages, rows per page, p, D)
+        {"k_buffer": (6, 4, 2, 8), "v_buffer": (6, 4, 2, 8)},  # paged K/V
+        {"k_buffer": (6, 4, 2, 2, 8)},
+    ],
+    ids=["fused-5d", "mla-4d", "paged-kv-4d", "k-only-5d"],
+)
+def test_a_paged_buffer_is_never_read_as_token_rows(attrs):
+    """A lookalike with 4-D or 5-D per-layer buffers is refused, naming what was seen: read as
+    token rows, its first (page) axis would move whole pages into the wrong places."""
+
+    class Lookalike:
+        page_size = 4
+
+    pool = Lookalike()
+    for attr, shape in attrs.items():
+        setattr(pool, attr, [np.zeros(shape, np.float32) for _ in range(2)])
+    with pytest.raises(UnsupportedKVCacheError, match=r"Unsupported KV cache type Lookalike: .*-D"):
+        KVConnector(pool, HostStore(1 << 20))

@@ -197,6 +197,18 @@ def _foreign_layout(pool) -> Layout:
                 f"its per-token scales ({attr}) are not part of jaxkv blocks; reloading the "
                 "values without them would corrupt the cache",
             )
+    # Never guess: a token-major family is per-token rows, `(rows, D)` or `(rows, a, b)`. A 4-D
+    # or 5-D buffer is paged (sglang-jax's fused `(pages, page_size, ...)` buffers): reading its
+    # first axis as token rows would move whole pages to the wrong places.
+    for decl in kind.DECLARED:
+        ndim = len(present[decl.attr][0].shape)
+        if decl.codec.token_major and ndim not in (2, 3):
+            raise _unsupported(
+                name,
+                f"{decl.attr}[0] has shape {tuple(present[decl.attr][0].shape)}: a {ndim}-D "
+                "buffer is not per-token rows ((rows, D) or (rows, heads, D), as SGLang's pools "
+                "hold them); jaxkv does not guess which axes are pages and tokens",
+            )
     # Token rows are counted on the first token-major buffer (paged ones hold pages).
     main = present[next(d.attr for d in kind.DECLARED if d.codec.token_major)]
     rows = int(main[0].shape[0])
