@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows, run_python
+from helpers import random_mha_pool, raw_rows, run_python
 
 import jaxkv
 from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool, testing

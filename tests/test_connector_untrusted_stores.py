@@ -11,7 +11,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows
+from helpers import random_mha_pool, raw_rows
 from hypothesis import HealthCheck, given, settings
 
 from jaxkv.connector import BlockStore, HostStore, KVConnector

@@ -8,7 +8,7 @@ the last reference to the numpy memory during shutdown. Several short runs catch
 from pathlib import Path
 
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sglang_shaped_pools.py"
 

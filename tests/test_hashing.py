@@ -14,7 +14,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
 from jaxkv.connector import HostStore, KVConnector

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, python_env
+from helpers import REPO, python_env
 from mesh_checks import pool_sized_collectives
 
 SCRIPT = str(Path(__file__).parent / "mesh_checks.py")

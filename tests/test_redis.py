@@ -23,7 +23,7 @@ import uuid
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, run_python
+from helpers import REPO, run_python
 from redis_server import MISSING, LocalRedis
 from test_connector import KINDS, _fill, _make_pool, _roundtrip
 

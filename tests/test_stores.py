@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows, run_python, same_bits
+from helpers import random_mha_pool, raw_rows, run_python, same_bits
 
 import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool

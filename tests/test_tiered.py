@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import raw_rows
+from helpers import raw_rows
 from test_stores import _assert_rows, _pool, _seq
 
 from jaxkv.connector import (
