@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_DTYPES = tuple(
@@ -345,7 +346,7 @@ def same_bits(a, b) -> bool:
 def random_mha_pool(
     seed: int = 0,
     *,
-    size: int,
+    size: int = 64,
     head_num: int = 1,
     head_dim: int = 2,
     layer_num: int = 1,
@@ -410,3 +411,184 @@ def run_python(*args: str, timeout: float, env: dict | None = None, check: bool 
             f"stderr:\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+# --------------------------------------------------------------------------------------------
+# Connector pools: every kind with random raw bits, and a numpy model of what a load leaves
+
+# The connector tests' pool kinds, in the connector's spelling (`k_only`).
+CONNECTOR_KINDS = ("mha", "k_only", "mla", "nsa")
+INDEX_ATTR = "index_k_with_scale_buffer"
+INDEX_HEAD_DIM = 8
+
+
+def bits_dtype(dtype) -> np.dtype:
+    return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+
+
+def connector_pool(kind, *, size=64, page_size=4, dtype=jnp.bfloat16, layer_num=2, start_layer=0):
+    """A small zeroed jaxkv pool of connector kind `kind` (one of `CONNECTOR_KINDS`)."""
+    common = dict(
+        size=size, page_size=page_size, dtype=dtype, layer_num=layer_num, start_layer=start_layer
+    )
+    if kind == "mha":
+        return MHAPool.create(head_num=2, head_dim=4, v_head_dim=3, **common)
+    if kind == "k_only":
+        return KOnlyPool.create(head_num=2, head_dim=4, **common)
+    if kind == "mla":
+        return MLAPool.create(kv_lora_rank=6, qk_rope_head_dim=2, **common)
+    return NSAPool.create(
+        kv_lora_rank=nsa_rank(dtype), qk_rope_head_dim=2, index_head_dim=INDEX_HEAD_DIM, **common
+    )
+
+
+def nsa_rank(dtype) -> int:
+    """fp8 NSA pools pack the latent in tiles of 128 values: their rank is a multiple of 128."""
+    return 128 if np.dtype(dtype).itemsize == 1 else 6
+
+
+def nsa_kv_row(dtype) -> tuple[int, int]:
+    """Per-token `kv_buffer` row of `connector_pool("nsa", dtype=dtype)`: fp8 pools keep SGLang's
+    packed row (fp8 latent, a float32 scale per 128 values, bfloat16 rope), others the values."""
+    rank = nsa_rank(dtype)
+    return (1, rank + 4 * (rank // 128) + 2 * 2) if np.dtype(dtype).itemsize == 1 else (1, rank + 2)
+
+
+def buffer_attrs(pool) -> tuple[str, ...]:
+    """The per-layer buffer attributes an object has, in SGLang's names."""
+    names = ("k_buffer", "v_buffer", "kv_buffer", INDEX_ATTR)
+    return tuple(a for a in names if hasattr(pool, a))
+
+
+def random_bits(rng, shape, dtype) -> np.ndarray:
+    """Uniformly random raw bit patterns viewed as `dtype` (NaNs, infs and subnormals included)."""
+    bits = bits_dtype(dtype)
+    return rng.integers(0, np.iinfo(bits).max, shape, dtype=bits, endpoint=True).view(dtype)
+
+
+def fill_random_bits(pool, rng):
+    """Writes random bits into every row of every layer (NSA: random index keys too)."""
+    loc = np.arange(pool.size + pool.page_size)
+    t = loc.shape[0]
+    for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+        if isinstance(pool, MHAPool):
+            k = random_bits(rng, (t, pool.head_num, pool.head_dim), pool.dtype)
+            v = random_bits(rng, (t, pool.head_num, pool.v_head_dim), pool.dtype)
+            pool = pool.set_kv(layer, loc, jnp.asarray(k), jnp.asarray(v))
+        elif isinstance(pool, KOnlyPool):
+            k = random_bits(rng, (t, pool.head_num, pool.head_dim), pool.dtype)
+            pool = pool.set_k(layer, loc, jnp.asarray(k))
+        else:
+            width = pool.kv_lora_rank + pool.qk_rope_head_dim
+            latent = jnp.asarray(random_bits(rng, (t, 1, width), pool.dtype))
+            if isinstance(pool, NSAPool) and np.dtype(pool.dtype).itemsize == 1:
+                # Packed fp8 rows: random raw rows, written as they are (uint8 in and stored).
+                latent = jnp.asarray(random_bits(rng, (t, *nsa_kv_row(pool.dtype)), np.uint8))
+            pool = pool.set_kv(layer, loc, latent, None)
+            if isinstance(pool, NSAPool):
+                mag = 10.0 ** rng.uniform(-3, 3, (t, 1))
+                index = (rng.standard_normal((t, pool.index_head_dim)) * mag).astype(np.float32)
+                pool = pool.set_index_k(layer, loc, index)
+    return pool
+
+
+def random_connector_pool(kind: str, seed: int = 0, **create):
+    """`connector_pool(kind, **create)` with random raw bits in every row (`fill_random_bits`)."""
+    return fill_random_bits(connector_pool(kind, **create), np.random.default_rng(seed))
+
+
+def raw_bits(pool) -> dict[str, list[np.ndarray]]:
+    """Owned copies of every layer buffer's raw bits (jaxkv pool or SGLang-shaped object)."""
+    out = {}
+    for attr in buffer_attrs(pool):
+        out[attr] = []
+        for buf in getattr(pool, attr):
+            copy = np.array(buf, copy=True)
+            out[attr].append(copy.view(bits_dtype(copy.dtype)))
+    return out
+
+
+def index_positions(slot: int, page_size: int, head_dim: int) -> np.ndarray:
+    """Flat byte offsets of one token's record (fp8 keys, then its float32 scale) in SGLang's
+    indexer layout `(pages, page_size * (head_dim + 4))`."""
+    page, off = divmod(int(slot), page_size)
+    base = page * page_size * (head_dim + 4)
+    keys = base + off * head_dim + np.arange(head_dim)
+    scale = base + page_size * head_dim + off * 4 + np.arange(4)
+    return np.concatenate([keys, scale])
+
+
+def token_rows(attr, buf, slots, page_size) -> np.ndarray:
+    """Per-token entries `(T, *row)` of one buffer at `slots`."""
+    slots = np.asarray(slots)
+    if attr != INDEX_ATTR:
+        return buf[slots]
+    flat = buf.reshape(-1)
+    return np.stack([flat[index_positions(s, page_size, INDEX_HEAD_DIM)] for s in slots])
+
+
+def model_load(before, src, src_slots, dst_slots, page_size):
+    """What `dst` must hold after rows `src_slots` of `src` were loaded into `dst_slots`."""
+    out = {}
+    for attr, layers in before.items():
+        out[attr] = []
+        for li, buf in enumerate(layers):
+            new = buf.copy()
+            rows = token_rows(attr, src[attr][li], src_slots, page_size)
+            if attr == INDEX_ATTR:
+                flat = new.reshape(-1)
+                for s, row in zip(dst_slots, rows, strict=True):
+                    flat[index_positions(s, page_size, INDEX_HEAD_DIM)] = row
+            else:
+                new[np.asarray(dst_slots)] = rows
+            out[attr].append(new)
+    return out
+
+
+def assert_raw_equal(got, want):
+    assert got.keys() == want.keys()
+    for attr in want:
+        for li, (g, w) in enumerate(zip(got[attr], want[attr], strict=True)):
+            np.testing.assert_array_equal(g, w, err_msg=f"{attr}[{li}]")
+
+
+def scattered_slots(rng, *, size, page_size, n):
+    """`n` slots as an allocator hands them out: scattered single slots for token pools,
+    whole pages in a shuffled order for paged pools (never page 0)."""
+    pages = rng.permutation(np.arange(1, size // page_size + 1))[: -(-n // page_size)]
+    return np.concatenate([p * page_size + np.arange(page_size) for p in pages])[:n]
+
+
+def roundtrip(src, dst, conn, *, rng, size, page_size, n_tokens):
+    """Stores `n_tokens` (full blocks plus a partial tail) of `src` and loads them into other
+    slots of `dst`; checks every layer and part of `dst` against the numpy model."""
+    bs = conn.block_size
+    tokens = rng.integers(0, 50_000, n_tokens)
+    src_slots = scattered_slots(rng, size=size, page_size=page_size, n=n_tokens)
+    dst_slots = scattered_slots(rng, size=size, page_size=page_size, n=n_tokens)
+    full = n_tokens // bs * bs
+    assert conn.store(src, tokens, src_slots) == n_tokens // bs
+    assert conn.lookup(tokens) == full
+    src_raw, before = raw_bits(src), raw_bits(dst)
+    dst, n = conn.load(dst, tokens, dst_slots)
+    assert n == full
+    want = model_load(before, src_raw, src_slots[:n], dst_slots[:n], page_size)
+    assert_raw_equal(raw_bits(dst), want)
+    return dst
+
+
+# --------------------------------------------------------------------------------------------
+# Store tests: sequences of whole 16-token blocks over `random_mha_pool`s
+
+STORE_BLOCK_SIZE = 16
+
+
+def token_seq(i: int, blocks: int = 1) -> np.ndarray:
+    """Token ids of test sequence `i`, `blocks` blocks of `STORE_BLOCK_SIZE` tokens (distinct
+    sequences never share a first block)."""
+    return np.arange(blocks * STORE_BLOCK_SIZE) + 1000 * i
+
+
+def assert_rows(pool, slots, want) -> None:
+    """The stored rows of `pool` at `slots` are bit for bit `want` (from `raw_rows`)."""
+    assert same_bits(raw_rows(pool, slots), want)
