@@ -10,13 +10,13 @@ import gc
 import os
 
 # Nothing in the suite is timed, and LLVM's optimisation passes took over a third of its CPU
-# time (tests/test_models.py and test_nsa_fp8.py: 80 s of CPU with them, 51 s without): the
+# time (tests/test_models.py and pools/test_packed_fp8.py: 80 s of CPU with them, 51 s without): the
 # suite compiles without them, here and in the Python processes it starts. XLA:CPU keeps IEEE
 # semantics at every level (it does not enable fast math), so the bits tested are the bits
 # served; XLA's own graph rewrites (the ones that change arithmetic) still run. The suite also
 # emits fused kernels with XLA:CPU's classic LLVM IR emitters instead of its newer MLIR fusion
 # emitters, which took a third more CPU (tests/test_serving, test_models, test_docs, test_cli
-# and test_division: 63 s of CPU with them, 48 s without). Both lower the same optimised HLO,
+# and pools/test_dtypes: 63 s of CPU with them, 48 s without). Both lower the same optimised HLO,
 # and both give IEEE results for the casts, divisions and integer work behind the bits the
 # pool tests check; transcendental functions (the models' exp and rsqrt) may differ in their
 # last bits, which the model tests' bounds cover. Set JAXKV_TEST_OPTIMIZE=1 to compile as

@@ -1,7 +1,7 @@
 """All or nothing: failing pool calls and connector loads change nothing, consumed pools refuse
 every use, non-finite inputs follow one rule per dtype, and bad arguments are named.
 
-The fuzzer over every public pool call is tests/test_fuzz_pools.py; these are the cases it
+The fuzzer over every public pool call is tests/pools/test_pool_fuzz.py; these are the cases it
 cannot reach: views held across an update, foreign pools whose attributes or buffers refuse a
 write, faults injected between the steps of a load.
 """

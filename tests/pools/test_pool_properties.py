@@ -198,7 +198,7 @@ def _jit_step(pool, loc, args, scales, *, name, layer_id):
 # Every dtype through MHA (the encode path of each dtype, scaled and not, on two buffers), every
 # kind in bfloat16 (each layout), and fp8 latent rows plain (MLA) and packed (NSA). The other
 # kind x dtype pairs run the same encoder on the same layouts (compiling each pair's programs
-# is most of this test's time); tests/test_pools.py and tests/test_nsa_fp8.py check every pair
+# is most of this test's time); tests/pools/test_pools.py and test_packed_fp8.py check every pair
 # with explicit cases.
 PAIRS = [("mha", d) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")]
 PAIRS += [("konly", "bfloat16"), ("mla", "bfloat16"), ("nsa", "bfloat16")]

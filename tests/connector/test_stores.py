@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
+    REPO,
     STORE_BLOCK_SIZE,
     assert_rows,
     random_mha_pool,
@@ -37,7 +38,6 @@ from jaxkv import MHAPool
 from jaxkv.connector import BlockRecord, BlockStore, DiskStore, HostStore, KVConnector, TieredStore
 from jaxkv.connector._records import Segment, is_block_of
 
-REPO = Path(__file__).resolve().parents[1]
 BS = STORE_BLOCK_SIZE  # the blocks of token_seq
 
 # --------------------------------------------------------------------------------------------

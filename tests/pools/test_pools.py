@@ -7,7 +7,6 @@ import dataclasses
 import inspect
 import pickle
 import re
-from pathlib import Path
 
 import chex
 import jax
@@ -18,6 +17,7 @@ import pytest
 from helpers import (
     INDEX_AMAX_FLOOR,
     POOL_CLASSES,
+    REPO,
     SETTERS,
     SMALL,
     STORE_DTYPES,
@@ -50,7 +50,6 @@ from jaxkv.connector._layout import describe
 
 FP8 = [jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)]
 LATENT_KINDS = ["mla", "nsa"]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def rows_of(pool) -> int:

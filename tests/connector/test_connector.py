@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import chex
 import jax
@@ -21,6 +20,7 @@ from helpers import (
     CONNECTOR_KINDS,
     INDEX_ATTR,
     INDEX_HEAD_DIM,
+    REPO,
     assert_raw_equal,
     buffer_attrs,
     connector_pool,
@@ -40,7 +40,6 @@ import jaxkv
 from jaxkv import MHAPool, testing
 from jaxkv.connector import DiskStore, HostStore, KVConnector, min_block_count
 
-REPO = Path(__file__).resolve().parents[1]
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 # (page_size, block_size, start_layer): token pools, paged pools with block == page, and
 # blocks of two pages; stages that do not start at layer 0.
