@@ -174,7 +174,8 @@ def _serve_through(store) -> KVConnector:
     conn = KVConnector(pool, store, block_size=BS)
     tokens, slots = np.arange(3 * BS), np.arange(1, 3 * BS + 1)
     before = raw_rows(pool, np.arange(30, 42))
-    assert conn.lookup(tokens) == 0
+    # A list of 3 bools is a well-formed answer to `contains_many`: lookup may believe it.
+    assert conn.lookup(tokens) in (0, BS, 2 * BS, 3 * BS)
     assert conn.store(pool, tokens, slots) == 0
     conn.store_async(pool, tokens, slots).result()
     conn.flush()
@@ -183,7 +184,8 @@ def _serve_through(store) -> KVConnector:
     assert np.array_equal(raw_rows(pool, np.arange(30, 42)), before)
     stats = conn.stats()
     assert isinstance(stats["store"], dict)
-    assert stats["io_errors"] >= 3
+    # No answer is well-formed for both `contains_many` (bools) and `get_many` (records).
+    assert stats["io_errors"] >= 1
     return conn
 
 
