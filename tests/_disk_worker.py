@@ -1,4 +1,4 @@
-"""A process writing (and reading) `DiskStore` records, for tests/test_disk_processes.py.
+"""A process writing (and reading) `DiskStore` records, for tests/connector/test_disk_processes.py.
 
 Run as a script it loads only the store modules (numpy, no JAX: the stores and the record
 format import none), so that a test can start it many times in a few seconds:

@@ -1,41 +1,22 @@
-"""Shared fixtures for the pool tests: small pools of every kind, every dtype, numpy references.
+"""Fixtures and pytest hooks of the suite, and the compilation settings every test runs with.
 
-The references are written from the documented behaviour, independently of jaxkv's code:
-
-* `encode_ref`: the bits a pool stores for a value. The value (divided by the scale, if any) is
-  taken in float32, clipped to +-finfo.max for fp8, cast with ml_dtypes (round to nearest even)
-  and viewed as the store dtype.
-* `quantize_index_ref` / `index_pages_ref`: NSA indexer records, scale = max(amax, 1e-4) / 448
-  in float32 (amax over the finite keys), keys = clip(x / scale) as fp8-e4m3, packed into
-  SGLang's page layout.
-* `pack_latent_ref` / `unpack_latent_ref`: NSA's packed fp8 latent rows (any fp8 pool dtype):
-  per tile of 128 latent values scale = amax / 448 (finite values only) and codes =
-  fp8-e4m3(clip(x * (1 / scale))) in float32 (0 * inf taken as a zero of x's sign), then the
-  float32 scales (little-endian), then the rope as bfloat16 (saturating); readers return
-  code * scale and the rope, float32.
-
-Scaled writes, NSA scales and packed rows divide in float32. jaxkv's division is IEEE on every
-backend with subnormal inputs and results taken as zero (sign kept), as XLA:CPU's arithmetic has
-them, so the references flush around each division on every backend. Plain casts keep
-subnormals bit-exactly.
+The helpers the tests share (pool factories, dtype tables, numpy references, the runner of fresh
+Python processes) are in `helpers.py`, imported as `from helpers import ...`.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 # Nothing in the suite is timed, and LLVM's optimisation passes took over a third of its CPU
-# time (tests/test_models.py and test_nsa_fp8.py: 80 s of CPU with them, 51 s without): the
+# time (tests/test_models.py and pools/test_packed_fp8.py: 80 s of CPU with them, 51 s without): the
 # suite compiles without them, here and in the Python processes it starts. XLA:CPU keeps IEEE
 # semantics at every level (it does not enable fast math), so the bits tested are the bits
 # served; XLA's own graph rewrites (the ones that change arithmetic) still run. The suite also
 # emits fused kernels with XLA:CPU's classic LLVM IR emitters instead of its newer MLIR fusion
 # emitters, which took a third more CPU (tests/test_serving, test_models, test_docs, test_cli
-# and test_division: 63 s of CPU with them, 48 s without). Both lower the same optimised HLO,
+# and pools/test_dtypes: 63 s of CPU with them, 48 s without). Both lower the same optimised HLO,
 # and both give IEEE results for the casts, divisions and integer work behind the bits the
 # pool tests check; transcendental functions (the models' exp and rsqrt) may differ in their
 # last bits, which the model tests' bounds cover. Set JAXKV_TEST_OPTIMIZE=1 to compile as
@@ -62,13 +43,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
+from helpers import ALL_DTYPES, POOL_KINDS, SETTERS  # noqa: E402
 from hypothesis import settings
-
-import jaxkv
 
 # Hypothesis examples per property test: "lean" (the default) keeps the whole suite within a
 # few minutes on 2 cores, the properties' explicit edge cases being tested on their own;
@@ -79,380 +57,17 @@ settings.register_profile("lean", max_examples=10)
 settings.register_profile("thorough", max_examples=200)
 settings.load_profile("lean")
 
-REPO = Path(__file__).resolve().parents[1]
-ALL_DTYPES = tuple(
-    jnp.dtype(d)
-    for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+# Re-exported for the test files that still import these names from conftest (test_serving.py,
+# test_cli.py, test_models.py, test_radix_cache.py) until they import them from helpers; nothing
+# else belongs here.
+from helpers import (  # noqa: E402, F401
+    REPO,
+    SMALL_DECODER,
+    random_mha_pool,
+    raw_rows,
+    run_python,
+    same_bits,
 )
-STORE_DTYPES = {
-    jnp.dtype(jnp.float32): np.dtype(np.float32),
-    jnp.dtype(jnp.bfloat16): np.dtype(np.uint16),
-    jnp.dtype(jnp.float16): np.dtype(np.uint16),
-    jnp.dtype(jnp.float8_e4m3fn): np.dtype(np.uint8),
-    jnp.dtype(jnp.float8_e5m2): np.dtype(np.uint8),
-}
-POOL_KINDS = ("mha", "konly", "mla", "nsa")
-POOL_CLASSES = {
-    "mha": jaxkv.MHAPool,
-    "konly": jaxkv.KOnlyPool,
-    "mla": jaxkv.MLAPool,
-    "nsa": jaxkv.NSAPool,
-}
-# Small shapes keep every test fast; v_head_dim != head_dim and kv_lora_rank != qk_rope_head_dim
-# so that a swapped dimension shows up as a shape error.
-SMALL = {
-    "mha": dict(size=12, page_size=2, head_num=2, head_dim=4, v_head_dim=3, layer_num=2),
-    "konly": dict(size=12, page_size=2, head_num=2, head_dim=4, layer_num=2),
-    "mla": dict(size=12, page_size=2, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=2),
-    "nsa": dict(
-        size=8, page_size=4, kv_lora_rank=6, qk_rope_head_dim=2, index_head_dim=8, layer_num=2
-    ),
-}
-# An fp8 NSA pool packs its latent in tiles of 128 values: its kv_lora_rank must be a multiple of
-# 128, so those pools take the smallest such rank (and keep a small rope).
-SMALL_PACKED_NSA = {"kv_lora_rank": 128}
-E4M3_MAX = np.float32(448.0)
-# The reference decoder of `jaxkv.models` at test size (both attention variants take it).
-SMALL_DECODER = dict(
-    d_model=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    mlp_dim=128,
-)
-INDEX_AMAX_FLOOR = np.float32(1e-4)
-LATENT_TILE = 128
-
-
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-
-
-def _is_fp8(dtype) -> bool:
-    try:
-        return jnp.dtype(dtype) in FP8_DTYPES
-    except TypeError:  # not a dtype at all: the pool rejects it
-        return False
-
-
-def small(kind: str, dtype=jnp.bfloat16) -> dict:
-    """The small create() arguments of `kind` for pools of `dtype` (sizes only)."""
-    if kind == "nsa" and _is_fp8(dtype):
-        return {**SMALL[kind], **SMALL_PACKED_NSA}
-    return dict(SMALL[kind])
-
-
-def make_pool(kind: str, dtype=jnp.bfloat16, **overrides):
-    """A small zeroed pool of `kind` ("mha", "konly", "mla", "nsa")."""
-    return POOL_CLASSES[kind].create(dtype=dtype, **{**small(kind, dtype), **overrides})
-
-
-def is_packed(pool) -> bool:
-    """Whether `pool` keeps NSA's packed fp8 latent rows (an NSA pool of an fp8 dtype)."""
-    return hasattr(pool, "index_k_with_scale_buffer") and _is_fp8(pool.dtype)
-
-
-def packed_width(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
-    """Bytes of a packed row: fp8 latent, a float32 scale per 128 values, bfloat16 rope."""
-    return kv_lora_rank + 4 * (kv_lora_rank // LATENT_TILE) + 2 * qk_rope_head_dim
-
-
-def kv_row_shape(pool) -> tuple[int, ...]:
-    """Per-token shape of an MLA/NSA pool's stored `kv_buffer` rows."""
-    if is_packed(pool):
-        return (1, packed_width(pool.kv_lora_rank, pool.qk_rope_head_dim))
-    return (1, pool.kv_lora_rank + pool.qk_rope_head_dim)
-
-
-def row_buffer_names(kind: str) -> tuple[str, ...]:
-    """The token-major buffers of a pool kind (NSA's index buffer is page-packed)."""
-    return {"mha": ("k_buffer", "v_buffer"), "konly": ("k_buffer",)}.get(kind, ("kv_buffer",))
-
-
-def buffer_names(kind: str) -> tuple[str, ...]:
-    return row_buffer_names(kind) + (("index_k_with_scale_buffer",) if kind == "nsa" else ())
-
-
-# Each setter of each kind, with the buffers it replaces.
-SETTERS = {
-    "mha": {"set_kv": ("k_buffer", "v_buffer"), "set_k": ("k_buffer",)},
-    "konly": {"set_k": ("k_buffer",)},
-    "mla": {"set_kv": ("kv_buffer",), "set_k": ("kv_buffer",), "set_mla_kv": ("kv_buffer",)},
-    "nsa": {
-        "set_kv": ("kv_buffer",),
-        "set_k": ("kv_buffer",),
-        "set_mla_kv": ("kv_buffer",),
-        "set_index_k": ("index_k_with_scale_buffer",),
-    },
-}
-
-
-def key_row_shape(pool) -> tuple[int, ...]:
-    """Per-token shape of `cache_k` (MLA/NSA: the whole latent row)."""
-    if hasattr(pool, "kv_buffer"):
-        return (1, pool.kv_lora_rank + pool.qk_rope_head_dim)
-    return (pool.head_num, pool.head_dim)
-
-
-def random_values(rng: np.random.Generator, shape, spread: float = 4.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * spread).astype(np.float32)
-
-
-def setter_args(pool, name: str, t: int, rng: np.random.Generator) -> tuple:
-    """Random float32 value arguments of setter `name` for `t` tokens (after layer_id, loc)."""
-    if name == "set_index_k":
-        return (random_values(rng, (t, pool.index_head_dim)),)
-    if name == "set_mla_kv":
-        return (
-            random_values(rng, (t, 1, pool.kv_lora_rank)),
-            random_values(rng, (t, 1, pool.qk_rope_head_dim)),
-        )
-    k = random_values(rng, (t, *key_row_shape(pool)))
-    if name == "set_k":
-        return (k,)
-    has_v = hasattr(pool, "v_buffer")
-    return (k, random_values(rng, (t, pool.head_num, pool.v_head_dim)) if has_v else None)
-
-
-def call_setter(pool, name: str, layer_id: int, loc, rng: np.random.Generator, **kw):
-    """Calls setter `name` with random values of the right shapes for `len(loc)` tokens."""
-    return getattr(pool, name)(layer_id, loc, *setter_args(pool, name, len(loc), rng), **kw)
-
-
-def fill_all(pool, kind: str, layer_id: int, loc, rng: np.random.Generator, **kw):
-    """Writes random values at `loc` into every buffer of `layer_id` (one call per buffer)."""
-    done = set()
-    for name, writes in SETTERS[kind].items():
-        if not done.issuperset(writes):
-            pool = call_setter(pool, name, layer_id, loc, rng, **kw)
-            done.update(writes)
-    return pool
-
-
-def snapshot(pool, kind: str) -> dict[str, list[np.ndarray]]:
-    """Host copies of every buffer of every layer."""
-    return {name: [host(b) for b in getattr(pool, name)] for name in buffer_names(kind)}
-
-
-def flush_subnormals(x) -> np.ndarray:
-    """float32 `x` with subnormals replaced by zeros of the same sign and every NaN by the quiet
-    NaN 0x7FC00000 (jaxkv's division and products do that on every backend)."""
-    x = np.asarray(x, np.float32)
-    tiny = np.finfo(np.float32).tiny
-    x = np.where(np.abs(x) < tiny, np.copysign(np.float32(0.0), x), x).astype(np.float32)
-    return np.where(np.isnan(x), np.uint32(0x7FC00000).view(np.float32), x)
-
-
-def as_float32(values) -> np.ndarray:
-    with np.errstate(over="ignore"):  # float64 beyond float32's range: inf, as on the device
-        return np.asarray(values).astype(np.float32)
-
-
-def encode_ref(values, dtype, scale=None) -> np.ndarray:
-    """The stored bits (store dtype) of `values` written into a pool of logical `dtype`."""
-    dtype = jnp.dtype(dtype)
-    if np.asarray(values).dtype == dtype:
-        scale = None  # a value already in the pool dtype is stored as it is (SGLang)
-    x = as_float32(values)
-    if scale is not None:
-        with np.errstate(over="ignore", divide="ignore"):
-            x = flush_subnormals(flush_subnormals(x) / flush_subnormals(np.float32(scale)))
-        in_dtype = np.asarray(values).dtype
-        if in_dtype.kind == "V" or (in_dtype.kind == "f" and in_dtype.itemsize < 4):
-            # 16- and 8-bit inputs are divided in their own dtype (SGLang): the quotient is
-            # rounded to it before the cast to the pool dtype.
-            with np.errstate(over="ignore"):
-                x = x.astype(in_dtype).astype(np.float32)
-    if dtype.itemsize == 1:
-        limit = np.float32(ml_dtypes.finfo(dtype).max)
-        x = np.clip(x, -limit, limit)
-    with np.errstate(over="ignore"):
-        return x.astype(dtype).view(STORE_DTYPES[dtype])
-
-
-def decode_ref(bits: np.ndarray, dtype) -> np.ndarray:
-    """Stored bits -> float32 values of logical `dtype`."""
-    return np.asarray(bits).view(jnp.dtype(dtype)).astype(np.float32)
-
-
-def finite_amax(x: np.ndarray) -> np.ndarray:
-    """max |x| over the last axis (kept) of the finite values only (0 when there are none)."""
-    return np.max(np.where(np.isfinite(x), np.abs(x), 0), axis=-1, keepdims=True)
-
-
-def quantize_index_ref(index_k) -> np.ndarray:
-    """NSA records uint8 `(T, D + 4)`: fp8-e4m3 key bytes, then the float32 scale (LE)."""
-    x = flush_subnormals(as_float32(index_k))
-    amax = finite_amax(x)  # inf saturates to code 448, NaN stays in its own key
-    scale = flush_subnormals(np.maximum(amax, INDEX_AMAX_FLOOR) / E4M3_MAX)
-    q = flush_subnormals(x / scale)
-    keys = np.clip(q, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    scale_bytes = scale.astype("<f4").view(np.uint8)
-    return np.concatenate([keys, scale_bytes], axis=-1)
-
-
-def _saturate(x: np.ndarray, limit) -> np.ndarray:
-    """float32 `x` with magnitudes above `limit` (inf included) set to +-limit (NaN kept)."""
-    limit = np.float32(limit)
-    return np.where(np.abs(x) > limit, np.copysign(limit, x), x).astype(np.float32)
-
-
-def pack_latent_ref(k_nope, k_rope) -> np.ndarray:
-    """Packed NSA rows uint8 `(..., packed_width)` of latent `k_nope (..., L)` and `k_rope
-    (..., R)`: fp8-e4m3 codes, one float32 scale per 128 latent values, bfloat16 rope."""
-    x = flush_subnormals(as_float32(k_nope))
-    lead = x.shape[:-1]
-    tiles = x.reshape(*lead, -1, LATENT_TILE)
-    scale = flush_subnormals(finite_amax(tiles) / E4M3_MAX)  # inf -> code 448, NaN kept
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        inverse = flush_subnormals(np.float32(1.0) / scale)
-        q = flush_subnormals(tiles * inverse)
-    q = np.where(np.isnan(q) & ~np.isnan(tiles), np.copysign(np.float32(0.0), tiles), q)
-    codes = np.clip(q, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-    bf16_max = ml_dtypes.finfo(ml_dtypes.bfloat16).max
-    rope = _saturate(as_float32(k_rope), bf16_max).astype(ml_dtypes.bfloat16)
-    parts = (codes, scale.astype("<f4").view(np.uint8), rope.view(np.uint8))
-    return np.concatenate([p.reshape(*lead, -1) for p in parts], axis=-1)
-
-
-def unpack_latent_ref(rows, kv_lora_rank: int) -> np.ndarray:
-    """Packed rows uint8 `(..., packed_width)` -> float32 `(..., L + R)`: code * scale per latent
-    value (float32), then the rope values."""
-    rows = np.asarray(rows)
-    lead, tiles = rows.shape[:-1], kv_lora_rank // LATENT_TILE
-    codes = rows[..., :kv_lora_rank].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    scale = np.ascontiguousarray(rows[..., kv_lora_rank : kv_lora_rank + 4 * tiles]).view("<f4")
-    with np.errstate(invalid="ignore"):
-        nope = codes.reshape(*lead, tiles, LATENT_TILE) * flush_subnormals(scale)[..., None]
-    nope = flush_subnormals(nope).reshape(*lead, kv_lora_rank)
-    rope = np.ascontiguousarray(rows[..., kv_lora_rank + 4 * tiles :]).view(ml_dtypes.bfloat16)
-    return np.concatenate([nope, rope.astype(np.float32)], axis=-1)
-
-
-def latent_rows_ref(pool, cache_k, scale=None) -> np.ndarray:
-    """The stored `kv_buffer` rows of latent rows `cache_k (T, 1, L + R)` written by `set_kv` or
-    `set_k` (packed rows take no scale: each tile carries its own)."""
-    if is_packed(pool):
-        x = np.asarray(cache_k)
-        return pack_latent_ref(x[..., : pool.kv_lora_rank], x[..., pool.kv_lora_rank :])
-    return encode_ref(cache_k, pool.dtype, scale)
-
-
-def mla_rows_ref(pool, k_nope, k_rope) -> np.ndarray:
-    """The stored `kv_buffer` rows that `set_mla_kv(k_nope, k_rope)` writes."""
-    if is_packed(pool):
-        return pack_latent_ref(k_nope, k_rope)
-    return np.concatenate([encode_ref(k_nope, pool.dtype), encode_ref(k_rope, pool.dtype)], -1)
-
-
-def latent_read_ref(pool, rows) -> np.ndarray:
-    """What latent readers return for stored rows, as float32 (packed rows: dequantised)."""
-    if is_packed(pool):
-        return unpack_latent_ref(rows, pool.kv_lora_rank)
-    return decode_ref(rows, pool.dtype)
-
-
-def index_pages_ref(records: np.ndarray, page_size: int) -> np.ndarray:
-    """Per-slot records `(rows, D + 4)` -> SGLang's page layout `(pages, page_size * (D + 4))`:
-    each page holds its tokens' keys, then their scales."""
-    rows, width = records.shape
-    pages = records.reshape(rows // page_size, page_size, width)
-    keys = pages[:, :, : width - 4].reshape(rows // page_size, -1)
-    scales = pages[:, :, width - 4 :].reshape(rows // page_size, -1)
-    return np.concatenate([keys, scales], axis=-1)
-
-
-def host(x) -> np.ndarray:
-    """A host copy of a device array, bit-exact.
-
-    A copy, not `np.asarray`: on CPU that is a zero-copy view, and a live view of a buffer makes
-    JAX fall back to copying it when it is donated, so the donation tests would test nothing.
-    """
-    return np.array(jax.device_get(x), copy=True)
-
-
-def same_bits(a, b) -> bool:
-    """Bit equality of two arrays of one dtype (so -0.0 != 0.0 and NaN == NaN)."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    width = np.dtype(f"uint{8 * a.dtype.itemsize}")
-    return bool(np.array_equal(a.view(width), b.view(width)))
-
-
-def random_mha_pool(
-    seed: int = 0,
-    *,
-    size: int,
-    head_num: int = 1,
-    head_dim: int = 2,
-    layer_num: int = 1,
-    dtype=np.float32,
-) -> jaxkv.MHAPool:
-    """An MHA pool (page size 1) whose every row, the padding row too, holds random values."""
-    pool = jaxkv.MHAPool.create(
-        size=size, dtype=dtype, head_num=head_num, head_dim=head_dim, layer_num=layer_num
-    )
-    rng = np.random.default_rng(seed)
-    loc = np.arange(pool.size + 1)
-    for layer in range(layer_num):
-        k, v = (rng.standard_normal((loc.size, head_num, head_dim)) for _ in range(2))
-        pool = pool.set_kv(layer, loc, k.astype(np.float32), v.astype(np.float32))
-    return pool
-
-
-def raw_rows(pool, slots) -> np.ndarray:
-    """The stored rows at `slots` of every K layer, then every V layer:
-    `(2 * layer_num, len(slots), *row)`, compared with `same_bits`."""
-    slots = np.asarray(slots)
-    return np.stack([np.asarray(b)[slots] for b in (*pool.k_buffer, *pool.v_buffer)])
-
-
-class Helpers:
-    """The helpers above, handed to tests through the `kv` fixture."""
-
-    ALL_DTYPES = ALL_DTYPES
-    STORE_DTYPES = STORE_DTYPES
-    POOL_KINDS = POOL_KINDS
-    POOL_CLASSES = POOL_CLASSES
-    SMALL = SMALL
-    SETTERS = SETTERS
-    INDEX_AMAX_FLOOR = INDEX_AMAX_FLOOR
-    small = staticmethod(small)
-    make_pool = staticmethod(make_pool)
-    is_packed = staticmethod(is_packed)
-    packed_width = staticmethod(packed_width)
-    kv_row_shape = staticmethod(kv_row_shape)
-    pack_latent_ref = staticmethod(pack_latent_ref)
-    unpack_latent_ref = staticmethod(unpack_latent_ref)
-    latent_rows_ref = staticmethod(latent_rows_ref)
-    mla_rows_ref = staticmethod(mla_rows_ref)
-    latent_read_ref = staticmethod(latent_read_ref)
-    key_row_shape = staticmethod(key_row_shape)
-    random_values = staticmethod(random_values)
-    setter_args = staticmethod(setter_args)
-    call_setter = staticmethod(call_setter)
-    fill_all = staticmethod(fill_all)
-    snapshot = staticmethod(snapshot)
-    row_buffer_names = staticmethod(row_buffer_names)
-    buffer_names = staticmethod(buffer_names)
-    flush_subnormals = staticmethod(flush_subnormals)
-    encode_ref = staticmethod(encode_ref)
-    decode_ref = staticmethod(decode_ref)
-    quantize_index_ref = staticmethod(quantize_index_ref)
-    index_pages_ref = staticmethod(index_pages_ref)
-    host = staticmethod(host)
-    same_bits = staticmethod(same_bits)
-
-
-@pytest.fixture(scope="session")
-def kv() -> type[Helpers]:
-    """Pool factory, dtype tables and numpy references (see the module docstring)."""
-    return Helpers
 
 
 @pytest.fixture(scope="session", params=ALL_DTYPES, ids=lambda d: d.name)
@@ -477,48 +92,6 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(scope="session")
 def device_sharding():
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-
-def python_env(env: dict | None = None) -> dict:
-    """The environment of a Python process a test starts: this one's, on CPU, with the
-    repository first on the path; `env` adds or overrides variables (`XLA_FLAGS` are added to
-    this process's, see the top of this file)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(env or {})
-    if "XLA_FLAGS" in env:
-        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path, **env}
-
-
-def run_python(*args: str, timeout: float, env: dict | None = None, check: bool = True):
-    """Runs `python *args` in a fresh interpreter at the repository root and returns the
-    completed process (text stdout and stderr).
-
-    The child runs on CPU (`JAX_PLATFORMS=cpu`: an accelerator already held by this process
-    cannot be shared) with the repository first on its path; `env` adds or overrides
-    variables. With `check` a non-zero exit fails the test showing the child's output, and so
-    does running past `timeout` seconds.
-    """
-    full_env = python_env(env)
-    cmd = [sys.executable, *args]
-    shown = " ".join(a if len(a) < 80 else a[:77] + "..." for a in cmd)
-    try:
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
-        pytest.fail(
-            f"{shown}: still running after {timeout} s\nstdout:\n{out[-3000:]}\n"
-            f"stderr:\n{err[-3000:]}"
-        )
-    if check and proc.returncode != 0:
-        pytest.fail(
-            f"{shown}: exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
-            f"stderr:\n{proc.stderr[-3000:]}"
-        )
-    return proc
 
 
 @pytest.fixture(autouse=True, scope="module")

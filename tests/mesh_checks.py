@@ -1,6 +1,6 @@
 """Pools over a mesh of 8 virtual CPU devices, and the two-process store/load worker.
 
-Run by tests/test_mesh.py in fresh interpreters (the device count is fixed when jax starts):
+Run by tests/pools/test_mesh.py in fresh interpreters (the device count is fixed when jax starts):
 
     python tests/mesh_checks.py single DUMP_DIR       # one process, 8 devices, every check
     python tests/mesh_checks.py worker PID PORT DIR PHASE   # one of two processes, 4 devices each

@@ -1,5 +1,5 @@
 """A throwaway `redis-server` on a free loopback port, for the tests (`from redis_server import
-LocalRedis, MISSING`, as the tests import conftest's helpers); the bench takes a server's URL.
+LocalRedis, MISSING`, as the tests import helpers.py's); the bench takes a server's URL.
 
 Nothing is persisted (`--save ''`, `--appendonly no`) and the server lives in a temporary
 folder; `stop` kills it, `start` again brings it back on the same port (empty), as a restarted

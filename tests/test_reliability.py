@@ -10,7 +10,7 @@ import time
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from conftest import random_mha_pool
+from helpers import random_mha_pool
 from hypothesis import HealthCheck, given, settings
 
 from jaxkv import MHAPool, PagedAllocator, ReqToTokenPool, TokenAllocator

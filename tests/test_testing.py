@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_mha_pool
+from helpers import random_mha_pool
 
 from jaxkv import testing
 

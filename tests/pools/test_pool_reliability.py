@@ -1,7 +1,7 @@
 """All or nothing: failing pool calls and connector loads change nothing, consumed pools refuse
 every use, non-finite inputs follow one rule per dtype, and bad arguments are named.
 
-The fuzzer over every public pool call is tests/test_fuzz_pools.py; these are the cases it
+The fuzzer over every public pool call is tests/pools/test_pool_fuzz.py; these are the cases it
 cannot reach: views held across an update, foreign pools whose attributes or buffers refuse a
 write, faults injected between the steps of a load.
 """
@@ -18,6 +18,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import (
+    SETTERS,
+    buffer_names,
+    call_setter,
+    decode_ref,
+    fill_all,
+    host,
+    make_pool,
+    quantize_index_ref,
+    row_buffer_names,
+)
 
 import jaxkv
 from jaxkv.connector import HostStore, KVConnector, _pool_views
@@ -55,16 +66,16 @@ HOST_VIEWS = pytest.mark.skipif(
 @pytest.mark.parametrize(
     "hold_view", [False, pytest.param(True, marks=HOST_VIEWS)], ids=["plain", "view-held"]
 )
-def test_a_consumed_pool_refuses_every_read_and_update(kv, pool_kind, pool_dtype, hold_view):
+def test_a_consumed_pool_refuses_every_read_and_update(pool_kind, pool_dtype, hold_view):
     """Every dtype (float32 included), every layer (not only the replaced one), whether or not
     a numpy view kept XLA from reusing the buffer: the old handle raises ConsumedPoolError."""
     rng = np.random.default_rng(0)
-    old = kv.make_pool(pool_kind, pool_dtype)
-    setter = next(iter(kv.SETTERS[pool_kind]))
-    view = np.asarray(getattr(old, kv.buffer_names(pool_kind)[0])[0]) if hold_view else None
+    old = make_pool(pool_kind, pool_dtype)
+    setter = next(iter(SETTERS[pool_kind]))
+    view = np.asarray(getattr(old, buffer_names(pool_kind)[0])[0]) if hold_view else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        new = kv.call_setter(old, setter, 0, np.array([1, 2]), rng)
+        new = call_setter(old, setter, 0, np.array([1, 2]), rng)
     copies = [w for w in caught if issubclass(w.category, jaxkv.CopyWarning)]
     assert len(copies) == (1 if hold_view else 0)
     if hold_view:
@@ -75,19 +86,19 @@ def test_a_consumed_pool_refuses_every_read_and_update(kv, pool_kind, pool_dtype
         for read in _readers(old, layer):
             with pytest.raises(jaxkv.ConsumedPoolError, match="consumed by an earlier update"):
                 read()
-        for name in kv.SETTERS[pool_kind]:
+        for name in SETTERS[pool_kind]:
             with pytest.raises(jaxkv.ConsumedPoolError, match="use the returned pool"):
-                kv.call_setter(old, name, layer, np.array([3]), rng)
+                call_setter(old, name, layer, np.array([3]), rng)
     for layer in (0, 1):  # the new pool is intact
         for read in _readers(new, layer):
             jax.block_until_ready(read())
     del view
 
 
-def test_consumed_is_a_runtime_error_and_donate_false_consumes_nothing(kv):
+def test_consumed_is_a_runtime_error_and_donate_false_consumes_nothing():
     rng = np.random.default_rng(1)
-    old = kv.make_pool("mha", jnp.float32)
-    kept = kv.call_setter(old, "set_kv", 0, np.array([1]), rng, donate=False)
+    old = make_pool("mha", jnp.float32)
+    kept = call_setter(old, "set_kv", 0, np.array([1]), rng, donate=False)
     assert not old.consumed
     jax.block_until_ready(old.get_key_buffer(0))
     kept.set_k(1, np.array([2]), np.ones((1, 2, 4), np.float32))
@@ -95,34 +106,34 @@ def test_consumed_is_a_runtime_error_and_donate_false_consumes_nothing(kv):
         kept.get_key_buffer(0)
 
 
-def test_float32_readers_return_a_copy_that_survives_the_next_update(kv, pool_kind):
+def test_float32_readers_return_a_copy_that_survives_the_next_update(pool_kind):
     """A float32 pool's buffer is already in the logical dtype; its readers still hand out a
     new array, as the bitcast of every other dtype does, so a donation cannot delete it."""
     rng = np.random.default_rng(2)
-    pool = kv.make_pool(pool_kind, jnp.float32)
-    pool = kv.fill_all(pool, pool_kind, 0, np.array([1, 2]), rng)
+    pool = make_pool(pool_kind, jnp.float32)
+    pool = fill_all(pool, pool_kind, 0, np.array([1, 2]), rng)
     held = pool.get_key_buffer(0)
-    want = kv.host(held)
-    assert held is not pool.buffers(kv.row_buffer_names(pool_kind)[0])[0]
-    kv.fill_all(pool, pool_kind, 0, np.array([1, 2]), rng)
-    np.testing.assert_array_equal(kv.host(held), want)
+    want = host(held)
+    assert held is not pool.buffers(row_buffer_names(pool_kind)[0])[0]
+    fill_all(pool, pool_kind, 0, np.array([1, 2]), rng)
+    np.testing.assert_array_equal(host(held), want)
 
 
-def test_a_stray_update_through_an_old_handle_cannot_break_the_new_pool(kv):
+def test_a_stray_update_through_an_old_handle_cannot_break_the_new_pool():
     """The old pool shares layer 1 with the new one; an update of layer 1 through the old
     handle would donate the new pool's buffer. It raises instead, and the new pool reads."""
     rng = np.random.default_rng(3)
-    old = kv.make_pool("mha", jnp.float32)
-    new = kv.call_setter(old, "set_kv", 0, np.array([1]), rng)
+    old = make_pool("mha", jnp.float32)
+    new = call_setter(old, "set_kv", 0, np.array([1]), rng)
     with pytest.raises(jaxkv.ConsumedPoolError):
-        kv.call_setter(old, "set_kv", 1, np.array([1]), rng)
+        call_setter(old, "set_kv", 1, np.array([1]), rng)
     assert not new.buffers("k_buffer")[1].is_deleted()
     jax.block_until_ready(new.get_kv_buffer(1))
 
 
 @HOST_VIEWS
-def test_a_dlpack_export_held_across_an_update_is_reported(kv):
-    pool = kv.make_pool("mha", jnp.bfloat16)
+def test_a_dlpack_export_held_across_an_update_is_reported():
+    pool = make_pool("mha", jnp.bfloat16)
     export = np.from_dlpack(pool.k_buffer[0])
     with pytest.warns(jaxkv.CopyWarning, match="copied them whole"):
         new = pool.set_k(0, np.array([1]), np.ones((1, 2, 4), np.float32))
@@ -135,12 +146,12 @@ def test_a_dlpack_export_held_across_an_update_is_reported(kv):
 @pytest.mark.parametrize(
     "hold_view", [False, pytest.param(True, marks=HOST_VIEWS)], ids=["plain", "view-held"]
 )
-def test_a_connector_load_consumes_the_jaxkv_pool_it_writes(kv, hold_view):
-    src = kv.make_pool("mha", jnp.bfloat16, size=SIZE, page_size=PAGE)
-    src = kv.fill_all(src, "mha", 0, SLOTS, np.random.default_rng(4), donate=False)
+def test_a_connector_load_consumes_the_jaxkv_pool_it_writes(hold_view):
+    src = make_pool("mha", jnp.bfloat16, size=SIZE, page_size=PAGE)
+    src = fill_all(src, "mha", 0, SLOTS, np.random.default_rng(4), donate=False)
     conn = KVConnector(src, HostStore(1 << 20))
     assert conn.store(src, TOKENS, SLOTS) == 4
-    dst = kv.make_pool("mha", jnp.bfloat16, size=SIZE, page_size=PAGE)
+    dst = make_pool("mha", jnp.bfloat16, size=SIZE, page_size=PAGE)
     view = np.asarray(dst.v_buffer[1]) if hold_view else None  # CPU: aliases the buffer
     if hold_view:
         with pytest.warns(jaxkv.CopyWarning):
@@ -153,7 +164,7 @@ def test_a_connector_load_consumes_the_jaxkv_pool_it_writes(kv, hold_view):
     for call in (lambda: dst.get_key_buffer(1), lambda: conn.load(dst, TOKENS, SLOTS)):
         with pytest.raises(jaxkv.ConsumedPoolError):
             call()
-    np.testing.assert_array_equal(kv.host(new.k_buffer[0])[SLOTS], kv.host(src.k_buffer[0])[SLOTS])
+    np.testing.assert_array_equal(host(new.k_buffer[0])[SLOTS], host(src.k_buffer[0])[SLOTS])
     del view
 
 
@@ -292,24 +303,24 @@ def test_a_fault_in_the_device_step_puts_the_written_host_rows_back(monkeypatch)
 # ---- non-finite inputs ------------------------------------------------------------------------
 
 
-def test_an_inf_index_key_saturates_and_spares_the_finite_keys(kv):
+def test_an_inf_index_key_saturates_and_spares_the_finite_keys():
     """One inf (or NaN) key must not turn its token's finite keys into NaN: the scale is taken
     over the finite keys, an inf is stored as code +-448 (reads back as the largest finite
     magnitude) and a NaN stays in its own key."""
-    pool = kv.make_pool("nsa", jnp.bfloat16)
+    pool = make_pool("nsa", jnp.bfloat16)
     x = np.tile(np.linspace(-3, 3, 8, dtype=np.float32), (3, 1))
     x[0, 0], x[1, 7], x[2, 3] = np.inf, -np.inf, np.nan
     got = np.asarray(pool.set_index_k(0, np.array([1, 2, 3]), x).get_index_k(0, [1, 2, 3]))
     finite = np.isfinite(x)
-    ref = np.asarray(kv.quantize_index_ref(np.where(finite, x, 0)))
-    want = kv.decode_ref(ref[:, :8], jnp.float8_e4m3fn) * ref[:, 8:].copy().view("<f4")
+    ref = np.asarray(quantize_index_ref(np.where(finite, x, 0)))
+    want = decode_ref(ref[:, :8], jnp.float8_e4m3fn) * ref[:, 8:].copy().view("<f4")
     np.testing.assert_array_equal(got[finite], want[finite])
     np.testing.assert_allclose([got[0, 0], got[1, 7]], [3.0, -3.0], rtol=1e-6)
     assert np.isnan(got[2, 3])
 
 
-def test_an_inf_latent_value_saturates_and_spares_its_packed_tile(kv):
-    pool = kv.make_pool("nsa", jnp.float8_e4m3fn)
+def test_an_inf_latent_value_saturates_and_spares_its_packed_tile():
+    pool = make_pool("nsa", jnp.float8_e4m3fn)
     rank = pool.kv_lora_rank
     nope = np.linspace(-2, 2, 2 * rank, dtype=np.float32).reshape(2, 1, rank)
     nope[0, 0, 5], nope[1, 0, 9] = np.inf, np.nan
@@ -322,11 +333,11 @@ def test_an_inf_latent_value_saturates_and_spares_its_packed_tile(kv):
     assert np.isfinite(np.delete(got.reshape(-1), rank + 9)).all()
 
 
-def test_non_finite_values_follow_the_dtype_rule(kv, pool_dtype):
+def test_non_finite_values_follow_the_dtype_rule(pool_dtype):
     """fp8 pools saturate +-inf to +-finfo.max; 16- and 32-bit pools keep inf; NaN stays NaN;
     finite inputs never become NaN."""
     dtype = pool_dtype
-    pool = kv.make_pool("mha", dtype)
+    pool = make_pool("mha", dtype)
     k = np.array([np.inf, -np.inf, np.nan, 1.5, -2.0, 1e30, 0.0, -1e-3], np.float32)
     k = k.reshape(1, 2, 4)
     got = np.asarray(pool.set_k(0, np.array([1]), k).get_key_buffer(0)[1].astype(jnp.float32))
@@ -352,8 +363,8 @@ def test_non_finite_values_follow_the_dtype_rule(kv, pool_dtype):
         ([1.0, 2.0], ValueError, "scalar scale"),
     ],
 )
-def test_bad_scales_are_named_and_change_nothing(kv, scale, error, match):
-    pool = kv.make_pool("mha", jnp.float8_e4m3fn)
+def test_bad_scales_are_named_and_change_nothing(scale, error, match):
+    pool = make_pool("mha", jnp.float8_e4m3fn)
     k = np.ones((1, 2, 4), np.float32)
     v = np.ones((1, 2, 3), np.float32)
     with pytest.raises(error, match=f"v_scale: expected .*{match}"):
@@ -362,8 +373,8 @@ def test_bad_scales_are_named_and_change_nothing(kv, scale, error, match):
     assert not np.asarray(pool.get_key_buffer(0).astype(jnp.float32)).any()
 
 
-def test_good_scales_of_every_kind_are_accepted(kv):
-    pool = kv.make_pool("mha", jnp.float8_e4m3fn)
+def test_good_scales_of_every_kind_are_accepted():
+    pool = make_pool("mha", jnp.float8_e4m3fn)
     k = np.full((1, 2, 4), 4.0, np.float32)
     for scale in (
         2,
@@ -389,18 +400,18 @@ def test_good_scales_of_every_kind_are_accepted(kv):
         (np.array([[1]]), ValueError, r"loc: expected shape \(T,\)"),
     ],
 )
-def test_bad_slots_are_named(kv, loc, error, match):
-    pool = kv.make_pool("mla", jnp.bfloat16)
+def test_bad_slots_are_named(loc, error, match):
+    pool = make_pool("mla", jnp.bfloat16)
     with pytest.raises(error, match=match):
         pool.set_k(0, loc, np.ones((1, 1, 8), np.float32))
     assert not pool.consumed
 
 
-def test_python_ints_beyond_int64_are_dropped_like_other_out_of_range_slots(kv):
-    pool = kv.make_pool("mha", jnp.float32)
+def test_python_ints_beyond_int64_are_dropped_like_other_out_of_range_slots():
+    pool = make_pool("mha", jnp.float32)
     k = np.arange(16, dtype=np.float32).reshape(2, 2, 4)
     new = pool.set_k(np.int64(1), [2**70, np.uint64(3)], k)
-    got = kv.host(new.get_key_buffer(1))
+    got = host(new.get_key_buffer(1))
     np.testing.assert_array_equal(got[3], k[1])
     assert not np.delete(got, 3, axis=0).any()
 

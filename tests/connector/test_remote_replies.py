@@ -32,6 +32,7 @@ from fake_resp import (
     integer,
     simple,
 )
+from helpers import random_connector_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -684,12 +685,7 @@ def test_fuzzed_replies_never_raise_never_serve_wrong_records_and_heal(
 
 
 def _pool(seed: int):
-    import jax.numpy as jnp
-    from test_connector import _fill, _make_pool
-
-    return _fill(
-        _make_pool("mha", size=64, page_size=1, dtype=jnp.float32), np.random.default_rng(seed)
-    )
+    return random_connector_pool("mha", seed, size=64, page_size=1, dtype=np.float32)
 
 
 def _rows(pool, slots) -> np.ndarray:

@@ -5,7 +5,7 @@ Each example draws a few updates (random slots, out-of-range and
 `-1` entries among them, random values in random input dtypes, optional scales), applies them
 to one pool eagerly and to another through a donating `jax.jit` step, and after every update
 compares both pools' raw buffers bit for bit with the model: numpy arrays of store-dtype rows,
-written with the numpy reference encoder (conftest) under the same drop rule.
+written with the numpy reference encoder (helpers.py) under the same drop rule.
 """
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+    encode_ref,
+    host,
+    index_pages_ref,
+    latent_rows_ref,
+    make_pool,
+    mla_rows_ref,
+    quantize_index_ref,
+    same_bits,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -123,8 +133,7 @@ def _updates(draw, pool, kind: str) -> list[Update]:
 class PoolModel:
     """The pool as numpy: one store-dtype array per buffer and layer, per-slot NSA records."""
 
-    def __init__(self, pool, kv):
-        self.kv = kv
+    def __init__(self, pool):
         self.pool = pool  # its static description only: sizes, dtype, kind
         self.dtype = pool.dtype
         self.page_size = pool.page_size
@@ -139,13 +148,13 @@ class PoolModel:
             self.index_records = [np.zeros(records, np.uint8) for _ in range(pool.layer_num)]
 
     def _encoded(self, u: Update) -> dict[str, np.ndarray]:
-        enc = functools.partial(self.kv.encode_ref, dtype=self.dtype)
+        enc = functools.partial(encode_ref, dtype=self.dtype)
         if u.name == "set_index_k":
-            return {"index": self.kv.quantize_index_ref(u.args[0])}
+            return {"index": quantize_index_ref(u.args[0])}
         if u.name == "set_mla_kv":
-            return {"kv_buffer": self.kv.mla_rows_ref(self.pool, *u.args)}
+            return {"kv_buffer": mla_rows_ref(self.pool, *u.args)}
         if "kv_buffer" in self.buffers:  # MLA/NSA latent rows (NSA fp8: packed)
-            return {"kv_buffer": self.kv.latent_rows_ref(self.pool, u.args[0], u.scales["k_scale"])}
+            return {"kv_buffer": latent_rows_ref(self.pool, u.args[0], u.scales["k_scale"])}
         out = {"k_buffer": enc(u.args[0], scale=u.scales["k_scale"])}
         if u.name == "set_kv" and "v_buffer" in self.buffers:
             out["v_buffer"] = enc(u.args[1], scale=u.scales["v_scale"])
@@ -159,15 +168,14 @@ class PoolModel:
             target[u.loc[keep]] = rows[keep]
 
     def check(self, pool, path: str) -> None:
-        kv = self.kv
         for name, layers in self.buffers.items():
             for li, expected in enumerate(layers):
-                got = kv.host(getattr(pool, name)[li])
-                assert kv.same_bits(got, expected), _diff(path, name, li, got, expected)
+                got = host(getattr(pool, name)[li])
+                assert same_bits(got, expected), _diff(path, name, li, got, expected)
         for li, records in enumerate(getattr(self, "index_records", [])):
-            got = kv.host(pool.index_k_with_scale_buffer[li])
-            expected = kv.index_pages_ref(records, self.page_size)
-            assert kv.same_bits(got, expected), _diff(path, "index", li, got, expected)
+            got = host(pool.index_k_with_scale_buffer[li])
+            expected = index_pages_ref(records, self.page_size)
+            assert same_bits(got, expected), _diff(path, "index", li, got, expected)
 
 
 def _diff(path, name, li, got, expected) -> str:
@@ -190,7 +198,7 @@ def _jit_step(pool, loc, args, scales, *, name, layer_id):
 # Every dtype through MHA (the encode path of each dtype, scaled and not, on two buffers), every
 # kind in bfloat16 (each layout), and fp8 latent rows plain (MLA) and packed (NSA). The other
 # kind x dtype pairs run the same encoder on the same layouts (compiling each pair's programs
-# is most of this test's time); tests/test_pools.py and tests/test_nsa_fp8.py check every pair
+# is most of this test's time); tests/pools/test_pools.py and test_packed_fp8.py check every pair
 # with explicit cases.
 PAIRS = [("mha", d) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")]
 PAIRS += [("konly", "bfloat16"), ("mla", "bfloat16"), ("nsa", "bfloat16")]
@@ -204,10 +212,10 @@ PAIRS += [("mla", "float8_e4m3fn"), ("nsa", "float8_e4m3fn")]
 )
 @SETTINGS
 @given(data=st.data())
-def test_updates_match_the_numpy_model_eager_and_jitted(kv, pool_kind, pool_dtype, data):
-    eager = kv.make_pool(pool_kind, pool_dtype, start_layer=START_LAYER)
-    jitted = kv.make_pool(pool_kind, pool_dtype, start_layer=START_LAYER)
-    model = PoolModel(eager, kv)
+def test_updates_match_the_numpy_model_eager_and_jitted(pool_kind, pool_dtype, data):
+    eager = make_pool(pool_kind, pool_dtype, start_layer=START_LAYER)
+    jitted = make_pool(pool_kind, pool_dtype, start_layer=START_LAYER)
+    model = PoolModel(eager)
     for i, u in enumerate(data.draw(_updates(eager, pool_kind), label="updates")):
         model.apply(u)
         eager = getattr(eager, u.name)(u.layer_id, u.loc, *u.args, **u.scales)

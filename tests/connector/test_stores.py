@@ -23,31 +23,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows, run_python, same_bits
+from helpers import (
+    REPO,
+    STORE_BLOCK_SIZE,
+    assert_rows,
+    random_mha_pool,
+    raw_rows,
+    run_python,
+    token_seq,
+)
 
 import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool
 from jaxkv.connector import BlockRecord, BlockStore, DiskStore, HostStore, KVConnector, TieredStore
 from jaxkv.connector._records import Segment, is_block_of
 
-REPO = Path(__file__).resolve().parents[1]
-BS = 16
+BS = STORE_BLOCK_SIZE  # the blocks of token_seq
 
 # --------------------------------------------------------------------------------------------
-# Helpers: a small float32 MHA pool (1 layer, 1 head of 2 dims: 256-byte blocks)
-
-
-def _pool(seed: int = 0, *, size: int = 64, layer_num: int = 1) -> MHAPool:
-    return random_mha_pool(seed, size=size, layer_num=layer_num)
-
-
-def _assert_rows(pool, slots, want):
-    assert same_bits(raw_rows(pool, slots), want)
-
-
-def _seq(i: int, blocks: int = 1) -> np.ndarray:
-    """Token ids of test sequence `i` (distinct sequences never share a first block)."""
-    return np.arange(blocks * BS) + 1000 * i
+# Helpers; the pools are `random_mha_pool`s (float32, 1 layer, 1 head of 2 dims: 256-byte blocks)
 
 
 def _files(root) -> list[str]:
@@ -131,16 +125,16 @@ def test_host_store_capacity_must_be_positive():
 
 
 def test_host_store_evicts_least_recently_used_by_bytes():
-    pool = _pool()
+    pool = random_mha_pool()
     slots = np.arange(1, BS + 1)
     probe = HostStore(1 << 20)
-    KVConnector(pool, probe).store(pool, _seq(0), slots)
+    KVConnector(pool, probe).store(pool, token_seq(0), slots)
     block = probe.stats()["bytes"]
     assert block == 2 * BS * 2 * 4  # K and V, 16 tokens, 2 float32 each
 
     store = HostStore(3 * block + block // 2)  # room for 3 blocks
     conn = KVConnector(pool, store)
-    a, b, c, d, e = (_seq(i) for i in range(5))
+    a, b, c, d, e = (token_seq(i) for i in range(5))
     for seq in (a, b, c):
         assert conn.store(pool, seq, slots) == 1
     assert store.stats()["evictions"] == 0
@@ -148,7 +142,7 @@ def test_host_store_evicts_least_recently_used_by_bytes():
     assert conn.store(pool, d, slots) == 1  # evicts b
     st = store.stats()
     assert st["evictions"] == 1 and st["blocks"] == 3 and st["bytes"] == 3 * block
-    fresh = _pool(1)
+    fresh = random_mha_pool(1)
     fresh, n = conn.load(fresh, c, slots)  # a get refreshes c: order a, d, c
     assert n == BS
     assert conn.store(pool, e, slots) == 1  # evicts a
@@ -435,7 +429,7 @@ def test_concurrent_store_and_load_through_one_connector(any_store):
 
 def _concurrent_store_and_load(store):
     n_threads, rounds = 4, 3
-    src = _pool(size=128, layer_num=2)
+    src = random_mha_pool(size=128, layer_num=2)
     conn = KVConnector(src, store)
     src_slots = np.arange(1, 65)
     want = raw_rows(src, src_slots)
@@ -450,13 +444,13 @@ def _concurrent_store_and_load(store):
             dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
             start.wait()
             for r in range(rounds):
-                own = _seq(10 * t + r, blocks=4)
+                own = token_seq(10 * t + r, blocks=4)
                 for tokens in (shared, own):
                     w = conn.store(src, tokens, src_slots)
                     dst_slots = rng.permutation(np.arange(1, 129))[:64]
                     dst, n = conn.load(dst, tokens, dst_slots)
                     assert n == 64
-                    _assert_rows(dst, dst_slots, want)
+                    assert_rows(dst, dst_slots, want)
                     with lock:
                         written.append(w)
                         loaded.append(n // BS)
@@ -494,9 +488,9 @@ def test_disk_store_capacity_must_be_positive_or_none(tmp_path):
 
 
 def test_disk_store_persists_across_instances(tmp_path):
-    src = _pool(size=128, layer_num=2)
+    src = random_mha_pool(size=128, layer_num=2)
     slots = np.arange(5, 69)
-    tokens = _seq(3, blocks=4)
+    tokens = token_seq(3, blocks=4)
     conn = KVConnector(src, DiskStore(tmp_path))
     assert conn.store(src, np.concatenate([tokens, [1, 2, 3]]), np.arange(5, 72)) == 4
     files = _files(tmp_path)
@@ -511,7 +505,7 @@ def test_disk_store_persists_across_instances(tmp_path):
     dst_slots = np.arange(65, 129)
     dst, n = conn2.load(dst, tokens, dst_slots)
     assert n == 64
-    _assert_rows(dst, dst_slots, raw_rows(src, slots))
+    assert_rows(dst, dst_slots, raw_rows(src, slots))
     assert conn2.store(src, tokens, slots) == 0  # already on disk
 
 
@@ -519,10 +513,11 @@ _WRITER = """
 import sys
 import numpy as np
 sys.path.insert(0, {tests!r})
-from test_stores import _pool, _seq
+from helpers import random_mha_pool, token_seq
 from jaxkv.connector import DiskStore, KVConnector
-src = _pool(seed=5, size=128, layer_num=2)
-print(KVConnector(src, DiskStore(sys.argv[1])).store(src, _seq(9, blocks=3), np.arange(10, 58)))
+src = random_mha_pool(seed=5, size=128, layer_num=2)
+conn = KVConnector(src, DiskStore(sys.argv[1]))
+print(conn.store(src, token_seq(9, blocks=3), np.arange(10, 58)))
 """
 
 
@@ -530,9 +525,9 @@ def test_disk_store_persists_across_processes(tmp_path):
     early = DiskStore(tmp_path)  # open before the other process writes
     proc = run_python("-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path), timeout=120)
     assert proc.stdout.split() == ["3"]
-    src = _pool(seed=5, size=128, layer_num=2)
+    src = random_mha_pool(seed=5, size=128, layer_num=2)
     want = raw_rows(src, np.arange(10, 58))
-    tokens = _seq(9, blocks=3)
+    tokens = token_seq(9, blocks=3)
     for store in (early, DiskStore(tmp_path)):
         dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
         conn = KVConnector(dst, store)
@@ -540,21 +535,21 @@ def test_disk_store_persists_across_processes(tmp_path):
         dst_slots = np.arange(70, 118)
         dst, n = conn.load(dst, tokens, dst_slots)
         assert n == 48
-        _assert_rows(dst, dst_slots, want)
+        assert_rows(dst, dst_slots, want)
 
 
 def test_disk_store_writes_leave_no_temporary_files(tmp_path):
-    src = _pool()
+    src = random_mha_pool()
     conn = KVConnector(src, DiskStore(tmp_path))
     for i in range(5):
-        conn.store(src, _seq(i, blocks=2), np.arange(1, 33))
+        conn.store(src, token_seq(i, blocks=2), np.arange(1, 33))
     files = _files(tmp_path)
     assert len(files) == 10
     assert all(f.endswith(".kvb") and ".tmp" not in f for f in files)
 
 
 def test_disk_store_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    src = _pool()
+    src = random_mha_pool()
     store = DiskStore(tmp_path)
     conn = KVConnector(src, store)
 
@@ -562,19 +557,19 @@ def test_disk_store_failed_write_leaves_nothing(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(disk_module.FileOps, "replace", failing_replace)
-    assert conn.store(src, _seq(0), np.arange(1, 17)) == 0
+    assert conn.store(src, token_seq(0), np.arange(1, 17)) == 0
     monkeypatch.undo()
     assert _files(tmp_path) == []
     assert store.stats()["io_errors"] == 1 and len(store) == 0
-    assert conn.lookup(_seq(0)) == 0
-    assert conn.store(src, _seq(0), np.arange(1, 17)) == 1  # works again once the disk does
+    assert conn.lookup(token_seq(0)) == 0
+    assert conn.store(src, token_seq(0), np.arange(1, 17)) == 1  # works again once the disk does
 
 
 def test_disk_store_cleans_stale_temporary_files_on_open_and_keeps_live_writers(tmp_path):
-    src = _pool()
+    src = random_mha_pool()
     conn = KVConnector(src, DiskStore(tmp_path))
-    conn.store(src, _seq(0), np.arange(1, 17))
-    key = conn.block_hashes(_seq(0))[0]
+    conn.store(src, token_seq(0), np.arange(1, 17))
+    key = conn.block_hashes(token_seq(0))[0]
     final = _record_path(tmp_path, key)
     dead = run_python("-c", "import os; print(os.getpid())", timeout=60)
     dead_pid = int(dead.stdout)
@@ -599,21 +594,21 @@ def test_disk_store_cleans_stale_temporary_files_on_open_and_keeps_live_writers(
 
 
 def test_disk_store_evicts_least_recently_used_past_capacity(tmp_path):
-    src = _pool()
+    src = random_mha_pool()
     slots = np.arange(1, 17)
     probe = tmp_path / "probe"
-    KVConnector(src, DiskStore(probe)).store(src, _seq(0), slots)
+    KVConnector(src, DiskStore(probe)).store(src, token_seq(0), slots)
     file_size = os.path.getsize(probe / _files(probe)[0])
 
     root = tmp_path / "kv"
     store = DiskStore(root, capacity_bytes=3 * file_size + file_size // 2)
     conn = KVConnector(src, store)
-    a, b, c, d, e = (_seq(i) for i in range(5))
+    a, b, c, d, e = (token_seq(i) for i in range(5))
     for seq in (a, b, c):
         assert conn.store(src, seq, slots) == 1
     assert conn.lookup(a) == BS  # order b, c, a
     assert conn.store(src, d, slots) == 1  # evicts b
-    dst = _pool(1)
+    dst = random_mha_pool(1)
     dst, n = conn.load(dst, c, slots)  # order a, d, c
     assert n == BS
     assert conn.store(src, e, slots) == 1  # evicts a
@@ -625,12 +620,12 @@ def test_disk_store_evicts_least_recently_used_past_capacity(tmp_path):
 
 
 def test_disk_store_stats_counters(tmp_path):
-    src = _pool()
+    src = random_mha_pool()
     store = DiskStore(tmp_path)
     conn = KVConnector(src, store)
-    conn.store(src, _seq(0, blocks=2), np.arange(1, 33))
-    dst = _pool(1)
-    dst, n = conn.load(dst, _seq(0, blocks=3), np.arange(1, 49))
+    conn.store(src, token_seq(0, blocks=2), np.arange(1, 33))
+    dst = random_mha_pool(1)
+    dst, n = conn.load(dst, token_seq(0, blocks=3), np.arange(1, 49))
     assert n == 32
     st = store.stats()
     want = {
@@ -650,14 +645,14 @@ def test_disk_store_stats_counters(tmp_path):
 
 
 def test_disk_lookup_changes_no_files(tmp_path):
-    src = _pool()
+    src = random_mha_pool()
     store = DiskStore(tmp_path)
     conn = KVConnector(src, store)
-    conn.store(src, _seq(0, blocks=3), np.arange(1, 49))
+    conn.store(src, token_seq(0, blocks=3), np.arange(1, 49))
     snapshot = {f: (tmp_path / f).read_bytes() for f in _files(tmp_path)}
     for _ in range(2):
-        assert conn.lookup(_seq(0, blocks=3)) == 48
-        assert conn.lookup(_seq(1, blocks=3)) == 0
+        assert conn.lookup(token_seq(0, blocks=3)) == 48
+        assert conn.lookup(token_seq(1, blocks=3)) == 0
     assert {f: (tmp_path / f).read_bytes() for f in _files(tmp_path)} == snapshot
     assert store.stats()["blocks_stored"] == 3
 
@@ -669,10 +664,10 @@ def test_disk_lookup_changes_no_files(tmp_path):
 @pytest.fixture
 def two_blocks(tmp_path):
     """A DiskStore holding two blocks of one sequence; the second block's file bytes."""
-    src = _pool()
+    src = random_mha_pool()
     store = DiskStore(tmp_path)
     conn = KVConnector(src, store)
-    tokens, slots = _seq(1, blocks=2), np.arange(1, 33)
+    tokens, slots = token_seq(1, blocks=2), np.arange(1, 33)
     assert conn.store(src, tokens, slots) == 2
     path = _record_path(tmp_path, conn.block_hashes(tokens)[1])
     with open(path, "rb") as f:
@@ -689,10 +684,10 @@ def _load_after_tampering(conn, store, tokens, want, path, data, dst):
     slots = np.arange(33, 65)
     dst, n = conn.load(dst, tokens, slots)
     if n == 2 * BS:
-        _assert_rows(dst, slots, want)
+        assert_rows(dst, slots, want)
         return dst, False
     assert n == BS, n
-    _assert_rows(dst, slots[:BS], want[:, :BS])
+    assert_rows(dst, slots[:BS], want[:, :BS])
     assert not os.path.exists(path)
     assert store.stats()["verification_failures"] == failures + 1
     return dst, True
@@ -701,7 +696,7 @@ def _load_after_tampering(conn, store, tokens, want, path, data, dst):
 def test_disk_store_every_single_byte_flip_is_caught(two_blocks):
     conn, store, tokens, want, path, good = two_blocks
     assert len(good) < 2000  # small enough to try every offset
-    dst = _pool(2)
+    dst = random_mha_pool(2)
     caught = 0
     for offset in range(len(good)):
         for mask in (0xFF, 0x01, 0x80):
@@ -716,7 +711,7 @@ def test_disk_store_every_single_byte_flip_is_caught(two_blocks):
 
 def test_disk_store_truncated_records_are_caught(two_blocks):
     conn, store, tokens, want, path, good = two_blocks
-    dst = _pool(2)
+    dst = random_mha_pool(2)
     for length in range(len(good)):
         dst, hit = _load_after_tampering(conn, store, tokens, want, path, good[:length], dst)
         assert hit
@@ -730,20 +725,20 @@ def test_disk_store_rejects_a_record_under_another_blocks_name(two_blocks, tmp_p
     first = _record_path(tmp_path, conn.block_hashes(tokens)[0])
     with open(first, "rb") as f:
         first_bytes = f.read()
-    dst = _pool(2)
+    dst = random_mha_pool(2)
     _, hit = _load_after_tampering(conn, store, tokens, want, path, first_bytes, dst)
     assert hit
     # Also a whole record of an unrelated sequence, copied over block 0's name.
-    other = _seq(7)
-    src = _pool()
+    other = token_seq(7)
+    src = random_mha_pool()
     conn.store(src, other, np.arange(1, 17))
     shutil.copyfile(_record_path(tmp_path, conn.block_hashes(other)[0]), first)
     before = store.stats()["verification_failures"]
-    dst = _pool(3)
+    dst = random_mha_pool(3)
     raw = raw_rows(dst, np.arange(33, 65))
     dst, n = conn.load(dst, tokens, np.arange(33, 65))
     assert n == 0
-    _assert_rows(dst, np.arange(33, 65), raw)
+    assert_rows(dst, np.arange(33, 65), raw)
     assert not os.path.exists(first)
     assert store.stats()["verification_failures"] == before + 1
 

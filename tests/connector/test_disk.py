@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows
+from helpers import random_mha_pool, raw_rows
 
 from jaxkv import MHAPool
 from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector, TieredStore

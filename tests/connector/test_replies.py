@@ -11,17 +11,13 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows
+from helpers import random_mha_pool, raw_rows
 from hypothesis import HealthCheck, given, settings
 
 from jaxkv.connector import BlockStore, HostStore, KVConnector
 from jaxkv.errors import StoreReplyError
 
 BS = 4
-
-
-def _pool(seed: int = 0):
-    return random_mha_pool(seed, size=64)
 
 
 class Relabelling(HostStore):
@@ -47,7 +43,7 @@ class Relabelling(HostStore):
 
 def test_a_record_served_under_another_key_is_never_loaded_and_is_discarded():
     store = Relabelling()
-    pool = _pool()
+    pool = random_mha_pool()
     conn = KVConnector(pool, store, block_size=BS)
     a = np.array([1, 2, 3, 4, 9, 9, 9, 9])
     b = np.array([5, 6, 7, 8, 9, 9, 9, 9])  # its second block holds the same tokens as a's
@@ -69,7 +65,7 @@ def test_a_record_served_under_another_key_is_never_loaded_and_is_discarded():
 
 def test_another_tenants_record_is_never_loaded():
     store = Relabelling()
-    pool = _pool()
+    pool = random_mha_pool()
     conn = KVConnector(pool, store, block_size=BS)
     tokens = np.arange(2 * BS)
     assert conn.store(pool, tokens, np.arange(1, 9), salt="tenant-a") == 2
@@ -83,7 +79,7 @@ def test_another_tenants_record_is_never_loaded():
 
 
 def test_a_record_of_other_tokens_under_the_right_key_is_discarded_then_repaired():
-    pool = _pool()
+    pool = random_mha_pool()
     store = HostStore(1 << 20)
     conn = KVConnector(pool, store, block_size=BS)
     tokens = np.arange(2 * BS)
@@ -174,11 +170,12 @@ REPLIES = [
 
 
 def _serve_through(store) -> KVConnector:
-    pool = _pool()
+    pool = random_mha_pool()
     conn = KVConnector(pool, store, block_size=BS)
     tokens, slots = np.arange(3 * BS), np.arange(1, 3 * BS + 1)
     before = raw_rows(pool, np.arange(30, 42))
-    assert conn.lookup(tokens) == 0
+    # A list of 3 bools is a well-formed answer to `contains_many`: lookup may believe it.
+    assert conn.lookup(tokens) in (0, BS, 2 * BS, 3 * BS)
     assert conn.store(pool, tokens, slots) == 0
     conn.store_async(pool, tokens, slots).result()
     conn.flush()
@@ -187,7 +184,8 @@ def _serve_through(store) -> KVConnector:
     assert np.array_equal(raw_rows(pool, np.arange(30, 42)), before)
     stats = conn.stats()
     assert isinstance(stats["store"], dict)
-    assert stats["io_errors"] >= 3
+    # No answer is well-formed for both `contains_many` (bools) and `get_many` (records).
+    assert stats["io_errors"] >= 1
     return conn
 
 
@@ -198,7 +196,7 @@ def test_no_store_answer_raises_into_a_lenient_connector(reply):
 
 @pytest.mark.parametrize("reply", [None, 0, "yes", [1, 0], ValueError("bad"), KeyError("k")])
 def test_a_strict_connector_raises_a_malformed_answer_as_a_store_error(reply):
-    pool = _pool()
+    pool = random_mha_pool()
     conn = KVConnector(pool, Garbage(reply), block_size=BS, strict=True)
     with pytest.raises(StoreReplyError) as info:
         conn.lookup(np.arange(2 * BS))
@@ -227,7 +225,7 @@ def test_fuzzed_store_answers_never_raise_and_never_load(reply):
 
 
 def test_after_a_failing_store_a_good_one_round_trips_bit_exact():
-    pool = _pool()
+    pool = random_mha_pool()
     tokens, slots = np.arange(2 * BS), np.arange(1, 2 * BS + 1)
     bad = KVConnector(pool, Garbage([7]), block_size=BS)
     assert bad.store(pool, tokens, slots) == 0
@@ -241,29 +239,29 @@ def test_after_a_failing_store_a_good_one_round_trips_bit_exact():
 @pytest.mark.parametrize("store", [None, {}, "redis://localhost:6379/0", HostStore])
 def test_a_store_that_is_not_a_block_store_is_refused_at_construction(store):
     with pytest.raises(TypeError, match=r"store: expected a BlockStore .* got"):
-        KVConnector(_pool(), store)
+        KVConnector(random_mha_pool(), store)
 
 
 @pytest.mark.parametrize("strict", [1, 0, "no", None])
 def test_strict_must_be_a_bool(strict):
     with pytest.raises(TypeError, match="strict: expected a bool"):
-        KVConnector(_pool(), HostStore(1 << 20), strict=strict)
+        KVConnector(random_mha_pool(), HostStore(1 << 20), strict=strict)
 
 
 @pytest.mark.parametrize("name", ["namespace", "shard"])
 def test_names_utf8_cannot_encode_are_refused_at_construction(name):
     with pytest.raises(ValueError, match=f"{name}: expected a str UTF-8 can encode"):
-        KVConnector(_pool(), HostStore(1 << 20), **{name: "tenant-\ud800"})
+        KVConnector(random_mha_pool(), HostStore(1 << 20), **{name: "tenant-\ud800"})
     with pytest.raises(TypeError, match=f"{name}: expected a str"):
-        KVConnector(_pool(), HostStore(1 << 20), **{name: 3})
+        KVConnector(random_mha_pool(), HostStore(1 << 20), **{name: 3})
 
 
 def test_a_salt_utf8_cannot_encode_is_a_value_error_naming_the_salt():
-    conn = KVConnector(_pool(), HostStore(1 << 20), block_size=BS)
+    conn = KVConnector(random_mha_pool(), HostStore(1 << 20), block_size=BS)
     tokens = np.arange(BS)
     for call in (conn.block_hashes, conn.lookup):
         with pytest.raises(ValueError, match="salt: expected a str UTF-8 can encode"):
             call(tokens, salt="tenant-\ud800")
     with pytest.raises(ValueError, match="salt"):
-        conn.store(_pool(), tokens, np.arange(1, BS + 1), salt="tenant-\ud800")
+        conn.store(random_mha_pool(), tokens, np.arange(1, BS + 1), salt="tenant-\ud800")
     assert len(conn.backend) == 0

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
 from jaxkv.connector import HostStore, KVConnector
 
-REPO = Path(__file__).resolve().parents[1]
 TOKENS = np.random.default_rng(0).integers(0, 100_000, 80)  # 5 blocks of 16
 
 

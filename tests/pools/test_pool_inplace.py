@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import SETTERS, buffer_names, call_setter, host, make_pool, setter_args
 
 DTYPES = [jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)]
 
@@ -43,9 +44,9 @@ def no_unusable_donations():
 
 @pytest.mark.parametrize("pool_dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.usefixtures("no_unusable_donations")
-def test_donated_jit_update_keeps_buffer_pointers_and_traces_once(kv, pool_setter, pool_dtype):
+def test_donated_jit_update_keeps_buffer_pointers_and_traces_once(pool_setter, pool_dtype):
     kind, name = pool_setter
-    written = kv.SETTERS[kind][name]
+    written = SETTERS[kind][name]
     chex.clear_trace_counter()  # chex counts per source text: every parametrization anew
 
     @chex.assert_max_traces(n=1)
@@ -56,59 +57,59 @@ def test_donated_jit_update_keeps_buffer_pointers_and_traces_once(kv, pool_sette
     loc = jnp.array([3, -1, 5, 2], jnp.int32)
     rng = np.random.default_rng(0)
     for attempt in range(2):  # the second pool is a new one of equal shapes
-        pool = kv.make_pool(kind, pool_dtype)
+        pool = make_pool(kind, pool_dtype)
         before = _pointers(pool, written, 1)
-        args = kv.setter_args(pool, name, len(loc), rng)
+        args = setter_args(pool, name, len(loc), rng)
         new = step(pool, loc, args, _scales(kind, name))
         assert _pointers(new, written, 1) == before, f"call {attempt}: a written buffer moved"
         for buffer in written:
-            assert np.any(kv.host(getattr(new, buffer)[1])), "the update landed"
+            assert np.any(host(getattr(new, buffer)[1])), "the update landed"
             assert getattr(pool, buffer)[1].is_deleted(), "the input pool was donated"
 
 
 @pytest.mark.usefixtures("no_unusable_donations")
-def test_eager_donating_update_keeps_buffer_pointers(kv, pool_setter):
+def test_eager_donating_update_keeps_buffer_pointers(pool_setter):
     kind, name = pool_setter
-    written = kv.SETTERS[kind][name]
-    pool = kv.make_pool(kind, jnp.bfloat16)
+    written = SETTERS[kind][name]
+    pool = make_pool(kind, jnp.bfloat16)
     rng = np.random.default_rng(1)
     for layer in (0, 1):
         before = _pointers(pool, written, layer)
-        pool = kv.call_setter(pool, name, layer, np.array([4, 1, -1]), rng, **_scales(kind, name))
+        pool = call_setter(pool, name, layer, np.array([4, 1, -1]), rng, **_scales(kind, name))
         assert _pointers(pool, written, layer) == before
         for buffer in written:
-            assert np.any(kv.host(getattr(pool, buffer)[layer])), "the update landed"
+            assert np.any(host(getattr(pool, buffer)[layer])), "the update landed"
 
 
-def test_donated_jit_step_over_all_buffers_stays_in_place(kv, pool_kind):
+def test_donated_jit_step_over_all_buffers_stays_in_place(pool_kind):
     """A decode-style step writing every buffer of every layer keeps every pointer."""
-    names = kv.buffer_names(pool_kind)
+    names = buffer_names(pool_kind)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(pool, loc, values):
         for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
             done = set()
-            for name, writes in kv.SETTERS[pool_kind].items():
+            for name, writes in SETTERS[pool_kind].items():
                 if not done.issuperset(writes):
                     pool = getattr(pool, name)(layer, loc, *values[name])
                     done.update(writes)
         return pool
 
-    pool = kv.make_pool(pool_kind, jnp.float8_e5m2, start_layer=4)
+    pool = make_pool(pool_kind, jnp.float8_e5m2, start_layer=4)
     rng = np.random.default_rng(2)
     loc = jnp.array([1, 2, 9], jnp.int32)
-    values = {name: kv.setter_args(pool, name, 3, rng) for name in kv.SETTERS[pool_kind]}
+    values = {name: setter_args(pool, name, 3, rng) for name in SETTERS[pool_kind]}
     before = {li: _pointers(pool, names, li) for li in range(pool.layer_num)}
     pool = step(pool, loc, values)
     assert {li: _pointers(pool, names, li) for li in range(pool.layer_num)} == before
 
 
-def test_eager_update_of_a_new_equal_pool_does_not_recompile(kv, pool_setter, caplog):
+def test_eager_update_of_a_new_equal_pool_does_not_recompile(pool_setter, caplog):
     kind, name = pool_setter
     rng = np.random.default_rng(3)
-    kv.call_setter(kv.make_pool(kind), name, 0, np.array([1, 2]), rng)  # warm up
-    fresh = kv.make_pool(kind)
-    args = kv.setter_args(fresh, name, 2, rng)
+    call_setter(make_pool(kind), name, 0, np.array([1, 2]), rng)  # warm up
+    fresh = make_pool(kind)
+    args = setter_args(fresh, name, 2, rng)
     with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles(True):
         new = getattr(fresh, name)(1, np.array([5, 6]), *args)
         jax.block_until_ready(new)

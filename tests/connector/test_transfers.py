@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows
+from helpers import random_mha_pool, raw_rows
 
 import jaxkv
 from jaxkv.connector import HostStore, KVConnector

@@ -7,7 +7,6 @@ import dataclasses
 import inspect
 import pickle
 import re
-from pathlib import Path
 
 import chex
 import jax
@@ -15,14 +14,42 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import run_python
+from helpers import (
+    INDEX_AMAX_FLOOR,
+    POOL_CLASSES,
+    REPO,
+    SETTERS,
+    SMALL,
+    STORE_DTYPES,
+    buffer_names,
+    call_setter,
+    decode_ref,
+    encode_ref,
+    fill_all,
+    flush_subnormals,
+    host,
+    index_pages_ref,
+    is_packed,
+    key_row_shape,
+    latent_read_ref,
+    latent_rows_ref,
+    make_pool,
+    mla_rows_ref,
+    quantize_index_ref,
+    random_values,
+    row_buffer_names,
+    run_python,
+    same_bits,
+    setter_args,
+    small,
+    snapshot,
+)
 
 import jaxkv
 from jaxkv.connector._layout import describe
 
 FP8 = [jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)]
 LATENT_KINDS = ["mla", "nsa"]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def rows_of(pool) -> int:
@@ -103,9 +130,9 @@ def test_import_needs_only_core_dependencies():
 # ---- create(): keyword-only, validation, defaults -----------------------------------------------
 
 
-def test_create_is_keyword_only(kv, pool_kind):
-    cls = kv.POOL_CLASSES[pool_kind]
-    args = kv.SMALL[pool_kind]
+def test_create_is_keyword_only(pool_kind):
+    cls = POOL_CLASSES[pool_kind]
+    args = SMALL[pool_kind]
     with pytest.raises(TypeError):
         cls.create(args["size"], **{k: v for k, v in args.items() if k != "size"})
 
@@ -136,22 +163,22 @@ _BAD_SIZES = [
 @pytest.mark.parametrize(
     "kind, override, arg", _BAD_SIZES, ids=[f"{k}-{a}={o[a]}" for k, o, a in _BAD_SIZES]
 )
-def test_create_rejects_bad_sizes(kv, kind, override, arg):
+def test_create_rejects_bad_sizes(kind, override, arg):
     with pytest.raises(ValueError, match=arg):
-        kv.make_pool(kind, **override)
+        make_pool(kind, **override)
 
 
 @pytest.mark.parametrize(
     "bad", [np.int8, jnp.int32, np.float64, np.complex64, "float64", "not-a-dtype", jnp.bool_]
 )
-def test_create_rejects_unsupported_dtypes(kv, pool_kind, bad):
+def test_create_rejects_unsupported_dtypes(pool_kind, bad):
     with pytest.raises(ValueError):
-        kv.make_pool(pool_kind, dtype=bad)
+        make_pool(pool_kind, dtype=bad)
 
 
-def test_create_accepts_every_supported_dtype_spelling(kv):
+def test_create_accepts_every_supported_dtype_spelling():
     for spelling in (jnp.bfloat16, jnp.dtype(jnp.bfloat16), ml_dtypes.bfloat16, "bfloat16"):
-        assert kv.make_pool("mha", dtype=spelling).dtype == jnp.dtype(jnp.bfloat16)
+        assert make_pool("mha", dtype=spelling).dtype == jnp.dtype(jnp.bfloat16)
 
 
 def test_create_defaults():
@@ -174,19 +201,19 @@ def test_create_defaults():
 # ---- attributes and buffers ------------------------------------------------------------------
 
 
-def test_attributes(kv, pool_kind, pool_dtype):
-    pool = kv.make_pool(pool_kind, pool_dtype, start_layer=3)
-    expected = {**kv.small(pool_kind, pool_dtype), "start_layer": 3}
+def test_attributes(pool_kind, pool_dtype):
+    pool = make_pool(pool_kind, pool_dtype, start_layer=3)
+    expected = {**small(pool_kind, pool_dtype), "start_layer": 3}
     for name, value in expected.items():
         assert getattr(pool, name) == value, name
     assert pool.dtype == pool_dtype
-    assert pool.store_dtype == kv.STORE_DTYPES[pool_dtype]
+    assert pool.store_dtype == STORE_DTYPES[pool_dtype]
 
 
-def test_buffer_shapes_and_store_dtypes(kv, pool_kind, pool_dtype):
-    pool = kv.make_pool(pool_kind, pool_dtype)
+def test_buffer_shapes_and_store_dtypes(pool_kind, pool_dtype):
+    pool = make_pool(pool_kind, pool_dtype)
     rows = rows_of(pool)
-    store = kv.STORE_DTYPES[pool_dtype]
+    store = STORE_DTYPES[pool_dtype]
     if pool_kind in ("mha", "konly"):
         shapes = {"k_buffer": (rows, pool.head_num, pool.head_dim)}
     elif pool_kind == "nsa" and pool_dtype.itemsize == 1:  # packed: fp8 tiles, scales, bf16 rope
@@ -203,14 +230,12 @@ def test_buffer_shapes_and_store_dtypes(kv, pool_kind, pool_dtype):
             assert isinstance(buf, jax.Array)
             chex.assert_shape(buf, shape)
             chex.assert_type(buf, store)
-            assert not np.any(kv.host(buf)), "a new pool is zeroed"
+            assert not np.any(host(buf)), "a new pool is zeroed"
 
 
 @pytest.mark.parametrize("page_size, index_head_dim", [(4, 8), (2, 16), (64, 128)])
-def test_nsa_index_buffer_layout_shape(kv, page_size, index_head_dim):
-    pool = kv.make_pool(
-        "nsa", size=2 * page_size, page_size=page_size, index_head_dim=index_head_dim
-    )
+def test_nsa_index_buffer_layout_shape(page_size, index_head_dim):
+    pool = make_pool("nsa", size=2 * page_size, page_size=page_size, index_head_dim=index_head_dim)
     pages = (pool.size + page_size) // page_size
     assert len(pool.index_k_with_scale_buffer) == pool.layer_num
     for buf in pool.index_k_with_scale_buffer:
@@ -218,8 +243,8 @@ def test_nsa_index_buffer_layout_shape(kv, page_size, index_head_dim):
         chex.assert_type(buf, np.uint8)
 
 
-def test_attributes_present_tell_the_kind(kv, pool_kind):
-    pool = kv.make_pool(pool_kind)
+def test_attributes_present_tell_the_kind(pool_kind):
+    pool = make_pool(pool_kind)
     present = {n for n in ("k_buffer", "v_buffer", "kv_buffer") if hasattr(pool, n)}
     assert (
         present
@@ -236,52 +261,52 @@ def test_attributes_present_tell_the_kind(kv, pool_kind):
 # ---- pytree ----------------------------------------------------------------------------------
 
 
-def test_pytree_leaves_are_exactly_the_buffers(kv, pool_kind):
-    pool = kv.make_pool(pool_kind)
+def test_pytree_leaves_are_exactly_the_buffers(pool_kind):
+    pool = make_pool(pool_kind)
     leaves = jax.tree_util.tree_leaves(pool)
-    buffers = [b for name in kv.buffer_names(pool_kind) for b in getattr(pool, name)]
-    assert len(leaves) == len(buffers) == pool.layer_num * len(kv.buffer_names(pool_kind))
+    buffers = [b for name in buffer_names(pool_kind) for b in getattr(pool, name)]
+    assert len(leaves) == len(buffers) == pool.layer_num * len(buffer_names(pool_kind))
     assert {id(x) for x in leaves} == {id(b) for b in buffers}
 
 
-def test_pytree_metadata_is_static(kv, pool_kind):
-    pool = kv.make_pool(pool_kind, jnp.float16, start_layer=2)
+def test_pytree_metadata_is_static(pool_kind):
+    pool = make_pool(pool_kind, jnp.float16, start_layer=2)
     leaves, treedef = jax.tree_util.tree_flatten(pool)
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
     assert type(rebuilt) is type(pool)
     for name in ("size", "page_size", "dtype", "layer_num", "start_layer"):
         assert getattr(rebuilt, name) == getattr(pool, name)
     # Metadata lives in the treedef: equal shapes give equal treedefs, other metadata does not.
-    same = kv.make_pool(pool_kind, jnp.float16, start_layer=2)
+    same = make_pool(pool_kind, jnp.float16, start_layer=2)
     assert jax.tree_util.tree_structure(same) == treedef
-    assert jax.tree_util.tree_structure(kv.make_pool(pool_kind, jnp.float16)) != treedef
-    assert jax.tree_util.tree_structure(kv.make_pool(pool_kind, jnp.bfloat16, start_layer=2)) != (
+    assert jax.tree_util.tree_structure(make_pool(pool_kind, jnp.float16)) != treedef
+    assert jax.tree_util.tree_structure(make_pool(pool_kind, jnp.bfloat16, start_layer=2)) != (
         treedef
     )
 
 
-def test_pytree_rebuilt_pool_flattens_to_its_own_buffers(kv, pool_kind):
+def test_pytree_rebuilt_pool_flattens_to_its_own_buffers(pool_kind):
     """A pool rebuilt from other leaves (a jit output, a tree map) holds and flattens to
     exactly those leaves, under attribute key paths; a pickled copy has the same treedef."""
-    pool = kv.make_pool(pool_kind, layer_num=2)
+    pool = make_pool(pool_kind, layer_num=2)
     mapped = jax.tree.map(lambda x: x + 1, pool)
-    for name in kv.buffer_names(pool_kind):
+    for name in buffer_names(pool_kind):
         assert [id(b) for b in getattr(mapped, name)] != [id(b) for b in getattr(pool, name)]
-    buffers = [b for name in kv.buffer_names(pool_kind) for b in getattr(mapped, name)]
+    buffers = [b for name in buffer_names(pool_kind) for b in getattr(mapped, name)]
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(mapped)[0])
     assert [id(x) for x in leaves] == [id(b) for b in buffers]
     assert [jax.tree_util.keystr(p) for p in paths] == [
-        f".{name}[{li}]" for name in kv.buffer_names(pool_kind) for li in range(2)
+        f".{name}[{li}]" for name in buffer_names(pool_kind) for li in range(2)
     ]
     assert not mapped.consumed and mapped.size == pool.size
     treedef = jax.tree_util.tree_structure(pool)
     for copied in (pickle.loads(pickle.dumps(mapped)), copy.deepcopy(mapped), copy.copy(mapped)):
         assert jax.tree_util.tree_structure(copied) == treedef
-        assert kv.same_bits(kv.host(jax.tree.leaves(copied)[0]), kv.host(leaves[0]))
+        assert same_bits(host(jax.tree.leaves(copied)[0]), host(leaves[0]))
     assert f"size={pool.size}" in str(treedef)  # its statics print in messages
 
 
-def test_jit_over_two_equal_pools_traces_once(kv, pool_kind):
+def test_jit_over_two_equal_pools_traces_once(pool_kind):
     chex.clear_trace_counter()  # chex counts per source text: every parametrization anew
 
     @jax.jit
@@ -290,10 +315,10 @@ def test_jit_over_two_equal_pools_traces_once(kv, pool_kind):
         return pool.get_key_buffer(pool.start_layer)[:2]
 
     loc = np.array([0, 1])
-    a = kv.fill_all(kv.make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(0))
-    b = kv.fill_all(kv.make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(1))
+    a = fill_all(make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(0))
+    b = fill_all(make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(1))
     ra, rb = read_first_rows(a), read_first_rows(b)  # a second trace would raise
-    assert not kv.same_bits(kv.host(ra), kv.host(rb)), "each call read its own pool"
+    assert not same_bits(host(ra), host(rb)), "each call read its own pool"
 
 
 # ---- one declaration per kind ----------------------------------------------------------------
@@ -359,14 +384,14 @@ def assert_one_description(pool) -> None:
         assert size == (by_key.get("k", 0), by_key.get("v", 0)), f"{size} for {by_key}"
 
 
-def test_each_kind_describes_its_buffers_once(kv, pool_kind, pool_dtype):
-    pool = kv.make_pool(pool_kind, pool_dtype)
-    assert type(pool).BUFFERS == kv.buffer_names(pool_kind)
+def test_each_kind_describes_its_buffers_once(pool_kind, pool_dtype):
+    pool = make_pool(pool_kind, pool_dtype)
+    assert type(pool).BUFFERS == buffer_names(pool_kind)
     assert [s.key for s in pool.buffer_specs()] == [PART_KEYS[a] for a in type(pool).BUFFERS]
     assert_one_description(pool)
 
 
-def test_a_kind_declared_inconsistently_fails_the_agreement_check(kv):
+def test_a_kind_declared_inconsistently_fails_the_agreement_check():
     class ForgetsTheIndex(jaxkv.NSAPool):
         def get_kv_size_bytes(self):
             return self.part_bytes("kv")
@@ -378,12 +403,12 @@ def test_a_kind_declared_inconsistently_fails_the_agreement_check(kv):
     class KeepsArraysStatic(jaxkv.MLAPool):
         scales: tuple = ()
 
-    good = kv.make_pool("mha")
+    good = make_pool("mha")
     assert_one_description(good)
-    hidden = KeepsArraysStatic.create(**kv.small("mla"))
+    hidden = KeepsArraysStatic.create(**small("mla"))
     broken = [
-        (ForgetsTheIndex.create(**kv.small("nsa")), "get_kv_size_bytes"),
-        (Reordered.create(**kv.small("mha")), "one spec per declared buffer"),
+        (ForgetsTheIndex.create(**small("nsa")), "get_kv_size_bytes"),
+        (Reordered.create(**small("mha")), "one spec per declared buffer"),
         (dataclasses.replace(hidden, scales=(jnp.ones(3),)), "scales holds arrays"),
     ]
     for pool, why in broken:
@@ -426,10 +451,10 @@ CREATE_SIGNATURES = {
 }
 
 
-def test_create_signatures_are_the_documented_ones(kv, pool_kind):
+def test_create_signatures_are_the_documented_ones(pool_kind):
     """`create` is a plain keyword-only classmethod of each kind, its arguments in the order and
     with the defaults the reference documents (what `help` and type checkers show)."""
-    cls = kv.POOL_CLASSES[pool_kind]
+    cls = POOL_CLASSES[pool_kind]
     assert isinstance(cls.__dict__["create"], classmethod)
     params = inspect.signature(cls.create).parameters.values()
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
@@ -472,24 +497,24 @@ def test_type_checkers_see_each_kind_s_create(tmp_path, monkeypatch):
 # ---- layer ids -------------------------------------------------------------------------------
 
 
-def test_layer_ids_are_global(kv, pool_kind):
-    pool = kv.make_pool(pool_kind, jnp.float32, start_layer=5)  # layers 5 and 6
+def test_layer_ids_are_global(pool_kind):
+    pool = make_pool(pool_kind, jnp.float32, start_layer=5)  # layers 5 and 6
     loc = np.array([3])
-    new = kv.fill_all(pool, pool_kind, 6, loc, np.random.default_rng(0))
-    key = kv.row_buffer_names(pool_kind)[0]
-    assert np.any(kv.host(getattr(new, key)[1])[3]), "layer 6 is local index 1"
-    assert not np.any(kv.host(getattr(new, key)[0])), "layer 5 untouched"
+    new = fill_all(pool, pool_kind, 6, loc, np.random.default_rng(0))
+    key = row_buffer_names(pool_kind)[0]
+    assert np.any(host(getattr(new, key)[1])[3]), "layer 6 is local index 1"
+    assert not np.any(host(getattr(new, key)[0])), "layer 5 untouched"
     chex.assert_trees_all_equal(new.get_key_buffer(6), getattr(new, key)[1])
 
 
 @pytest.mark.parametrize("bad", [0, 4, 7, -1, 100])
-def test_layer_id_out_of_range_raises_index_error_naming_the_range(kv, pool_kind, bad):
-    pool = kv.make_pool(pool_kind, start_layer=5)  # valid: 5, 6
+def test_layer_id_out_of_range_raises_index_error_naming_the_range(pool_kind, bad):
+    pool = make_pool(pool_kind, start_layer=5)  # valid: 5, 6
     loc = np.array([1])
     calls = [lambda: pool.get_key_buffer(bad)]
     calls += [
-        lambda name=name: kv.call_setter(pool, name, bad, loc, np.random.default_rng(0))
-        for name in kv.SETTERS[pool_kind]
+        lambda name=name: call_setter(pool, name, bad, loc, np.random.default_rng(0))
+        for name in SETTERS[pool_kind]
     ]
     if pool_kind != "konly":
         calls.append(lambda: pool.get_value_buffer(bad))
@@ -512,11 +537,11 @@ def _stored_values(rng, pool, shape):
     return np.clip(rng.standard_normal(shape) * 4, -50, 50).astype(np.float32).astype(pool.dtype)
 
 
-def test_reads_return_the_logical_dtype(kv, pool_kind, pool_dtype):
-    pool = kv.make_pool(pool_kind, pool_dtype)
+def test_reads_return_the_logical_dtype(pool_kind, pool_dtype):
+    pool = make_pool(pool_kind, pool_dtype)
     rng = np.random.default_rng(0)
     loc = np.array([2, 7, 1])
-    k = _stored_values(rng, pool, (3, *kv.key_row_shape(pool)))
+    k = _stored_values(rng, pool, (3, *key_row_shape(pool)))
     if pool_kind == "mha":
         v = _stored_values(rng, pool, (3, pool.head_num, pool.v_head_dim))
         pool = pool.set_kv(1, loc, k, v)
@@ -524,20 +549,20 @@ def test_reads_return_the_logical_dtype(kv, pool_kind, pool_dtype):
         pool = pool.set_k(1, loc, k)
     key = pool.get_key_buffer(1)
     # Packed fp8 NSA rows are read dequantised, as float32; every other pool reads its dtype.
-    read_dtype = np.float32 if kv.is_packed(pool) else pool_dtype
+    read_dtype = np.float32 if is_packed(pool) else pool_dtype
     want = k.astype(np.float32)
-    if kv.is_packed(pool):  # quantised per tile: the reference says what reads give back
-        want = kv.latent_read_ref(pool, kv.latent_rows_ref(pool, k))
+    if is_packed(pool):  # quantised per tile: the reference says what reads give back
+        want = latent_read_ref(pool, latent_rows_ref(pool, k))
     chex.assert_type(key, read_dtype)
-    chex.assert_shape(key, (rows_of(pool), *kv.key_row_shape(pool)))
-    np.testing.assert_array_equal(kv.host(key)[loc].astype(np.float32), want)
+    chex.assert_shape(key, (rows_of(pool), *key_row_shape(pool)))
+    np.testing.assert_array_equal(host(key)[loc].astype(np.float32), want)
     if pool_kind == "konly":
         return
     value = pool.get_value_buffer(1)
     chex.assert_type(value, read_dtype)
     if pool_kind == "mha":
         chex.assert_shape(value, (rows_of(pool), pool.head_num, pool.v_head_dim))
-        np.testing.assert_array_equal(kv.host(value)[loc].astype(np.float32), v.astype(np.float32))
+        np.testing.assert_array_equal(host(value)[loc].astype(np.float32), v.astype(np.float32))
     else:
         chex.assert_shape(value, (rows_of(pool), 1, pool.kv_lora_rank))
         chex.assert_trees_all_equal(value, key[..., : pool.kv_lora_rank])
@@ -545,8 +570,8 @@ def test_reads_return_the_logical_dtype(kv, pool_kind, pool_dtype):
 
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
-def test_get_mla_kv_returns_rows_at_loc(kv, kind, pool_dtype):
-    pool = kv.make_pool(kind, pool_dtype)
+def test_get_mla_kv_returns_rows_at_loc(kind, pool_dtype):
+    pool = make_pool(kind, pool_dtype)
     rng = np.random.default_rng(1)
     k_nope = _stored_values(rng, pool, (3, 1, pool.kv_lora_rank))
     k_rope = _stored_values(rng, pool, (3, 1, pool.qk_rope_head_dim))
@@ -555,18 +580,18 @@ def test_get_mla_kv_returns_rows_at_loc(kv, kind, pool_dtype):
     chex.assert_shape(nope, (4, 1, pool.kv_lora_rank))
     chex.assert_shape(rope, (4, 1, pool.qk_rope_head_dim))
     read_dtype = pool_dtype
-    if kv.is_packed(pool):  # read dequantised, as float32
+    if is_packed(pool):  # read dequantised, as float32
         read_dtype = np.float32
-        rows = kv.latent_read_ref(pool, kv.mla_rows_ref(pool, k_nope, k_rope))
+        rows = latent_read_ref(pool, mla_rows_ref(pool, k_nope, k_rope))
         k_nope, k_rope = rows[..., : pool.kv_lora_rank], rows[..., pool.kv_lora_rank :]
     chex.assert_type([nope, rope], read_dtype)
     order = [1, 2, 0, 0]
-    assert kv.same_bits(kv.host(nope), k_nope[order])
-    assert kv.same_bits(kv.host(rope), k_rope[order])
+    assert same_bits(host(nope), k_nope[order])
+    assert same_bits(host(rope), k_rope[order])
 
 
-def test_get_index_k_dequantises_and_packs_sglang_layout(kv):
-    pool = kv.make_pool("nsa", jnp.bfloat16)  # page_size 4, index_head_dim 8, 12 rows
+def test_get_index_k_dequantises_and_packs_sglang_layout():
+    pool = make_pool("nsa", jnp.bfloat16)  # page_size 4, index_head_dim 8, 12 rows
     p, d = pool.page_size, pool.index_head_dim
     rng = np.random.default_rng(2)
     loc = np.array([5, 0, 11, 6])
@@ -578,12 +603,12 @@ def test_get_index_k_dequantises_and_packs_sglang_layout(kv):
     chex.assert_type(got, np.float32)
     chex.assert_shape(got, (4, d))
     amax = np.max(np.abs(x), axis=-1, keepdims=True)
-    scale = np.maximum(amax, kv.INDEX_AMAX_FLOOR) / np.float32(448.0)
+    scale = np.maximum(amax, INDEX_AMAX_FLOOR) / np.float32(448.0)
     # e4m3: 3 mantissa bits (half-ulp 2**-4 relative); subnormals step by 2**-9 * scale.
-    err = np.abs(kv.host(got) - x)
+    err = np.abs(host(got) - x)
     assert np.all(err <= np.abs(x) * (2**-4 + 1e-6) + scale * 2**-10), err
 
-    raw = kv.host(pool.index_k_with_scale_buffer[1])
+    raw = host(pool.index_k_with_scale_buffer[1])
     expected = np.zeros_like(raw)
     for t, slot in enumerate(loc):
         page, off = divmod(int(slot), p)
@@ -591,19 +616,19 @@ def test_get_index_k_dequantises_and_packs_sglang_layout(kv):
         assert scale_bytes.view("<f4")[0] == scale[t, 0]
         keys = raw[page, off * d : (off + 1) * d].view(ml_dtypes.float8_e4m3fn)
         np.testing.assert_array_equal(
-            keys.astype(np.float32) * scale_bytes.view("<f4")[0], kv.host(got)[t]
+            keys.astype(np.float32) * scale_bytes.view("<f4")[0], host(got)[t]
         )
         expected[page, off * d : (off + 1) * d] = raw[page, off * d : (off + 1) * d]
         expected[page, p * d + 4 * off : p * d + 4 * off + 4] = scale_bytes
     np.testing.assert_array_equal(raw, expected)  # nothing else was written
-    assert not np.any(kv.host(pool.index_k_with_scale_buffer[0])), "other layer untouched"
+    assert not np.any(host(pool.index_k_with_scale_buffer[0])), "other layer untouched"
 
 
-def test_get_index_k_of_any_record_bytes_reads_the_same_bits_on_every_backend(kv):
+def test_get_index_k_of_any_record_bytes_reads_the_same_bits_on_every_backend():
     """Records with NaN keys of either sign and subnormal, NaN or negative scales (bytes a store
     may hand back) read as code * scale with subnormals as signed zeros and one quiet NaN: x86
     keeps a NaN operand's sign, NVIDIA GPUs return 0x7FFFFFFF, XLA:GPU keeps subnormals."""
-    pool = kv.make_pool("nsa")
+    pool = make_pool("nsa")
     d = pool.index_head_dim
     keys = np.random.default_rng(4).integers(0, 256, (rows_of(pool), d), dtype=np.uint8)
     keys[:, :2] = [0x7F, 0xFF]  # e4m3fn NaN, positive and negative
@@ -613,40 +638,40 @@ def test_get_index_k_of_any_record_bytes_reads_the_same_bits_on_every_backend(kv
         rows_of(pool),
     ).view(np.float32)  # fmt: skip
     records = np.concatenate([keys, scales[:, None].view(np.uint8)], axis=-1)
-    pages = jnp.asarray(kv.index_pages_ref(records, pool.page_size))
+    pages = jnp.asarray(index_pages_ref(records, pool.page_size))
     pool = pool.with_buffers(index_k_with_scale_buffer=[pages] * pool.layer_num)
     loc = np.arange(rows_of(pool))
-    got = kv.host(pool.get_index_k(0, loc))
+    got = host(pool.get_index_k(0, loc))
     codes = keys.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        want = kv.flush_subnormals(codes * kv.flush_subnormals(scales)[:, None])
-    assert kv.same_bits(got, want)
+        want = flush_subnormals(codes * flush_subnormals(scales)[:, None])
+    assert same_bits(got, want)
 
 
-def test_set_index_k_zero_row_stores_zero_keys_and_the_floor_scale(kv):
-    pool = kv.make_pool("nsa")
+def test_set_index_k_zero_row_stores_zero_keys_and_the_floor_scale():
+    pool = make_pool("nsa")
     d = pool.index_head_dim
     pool = pool.set_index_k(0, np.array([1, 3, 7]), np.ones((3, d)))
     pool = pool.set_index_k(0, np.array([3, 7]), np.zeros((2, d)))  # overwrite with zero rows
     floor_scale = np.float32(1e-4) / np.float32(448.0)  # SGLang floors amax at 1e-4
     zero_record = np.concatenate([np.zeros(d, np.uint8), np.float32([floor_scale]).view(np.uint8)])
     records = np.zeros((rows_of(pool), d + 4), np.uint8)
-    records[1] = kv.quantize_index_ref(np.ones((1, d)))[0]
+    records[1] = quantize_index_ref(np.ones((1, d)))[0]
     records[[3, 7]] = zero_record
-    assert np.array_equal(kv.quantize_index_ref(np.zeros((1, d)))[0], zero_record)
+    assert np.array_equal(quantize_index_ref(np.zeros((1, d)))[0], zero_record)
     np.testing.assert_array_equal(
-        kv.host(pool.index_k_with_scale_buffer[0]), kv.index_pages_ref(records, pool.page_size)
+        host(pool.index_k_with_scale_buffer[0]), index_pages_ref(records, pool.page_size)
     )
-    np.testing.assert_array_equal(kv.host(pool.get_index_k(0, np.array([3, 7]))), 0.0)
+    np.testing.assert_array_equal(host(pool.get_index_k(0, np.array([3, 7]))), 0.0)
 
 
-def test_set_index_k_floors_tiny_amax(kv):
-    pool = kv.make_pool("nsa")
+def test_set_index_k_floors_tiny_amax():
+    pool = make_pool("nsa")
     d = pool.index_head_dim
     x = np.zeros((2, d), np.float32)
     x[0, 0], x[1, 0] = 1e-5, 2e-4  # below and above the floor
     pool = pool.set_index_k(0, np.array([2, 5]), x)
-    raw = kv.host(pool.index_k_with_scale_buffer[0])
+    raw = host(pool.index_k_with_scale_buffer[0])
     p = pool.page_size
     at = [p * d + 4 * (s % p) for s in (2, 5)]  # each slot's scale bytes in its page
     scales = [raw[s // p, a : a + 4].view("<f4")[0] for s, a in zip((2, 5), at)]
@@ -669,8 +694,8 @@ def _expected_bytes(pool, kind) -> int | tuple[int, int]:
     return total
 
 
-def test_get_kv_size_bytes_counts_every_byte(kv, pool_kind, pool_dtype):
-    pool = kv.make_pool(pool_kind, pool_dtype)
+def test_get_kv_size_bytes_counts_every_byte(pool_kind, pool_dtype):
+    pool = make_pool(pool_kind, pool_dtype)
     got = pool.get_kv_size_bytes()
     assert got == _expected_bytes(pool, pool_kind)
     if pool_kind in ("mha", "konly"):
@@ -685,118 +710,118 @@ def test_get_kv_size_bytes_counts_every_byte(kv, pool_kind, pool_dtype):
 
 
 @pytest.mark.parametrize("reader", ["get_value_buffer", "get_kv_buffer"])
-def test_konly_reads_of_v_raise_not_implemented(kv, reader):
-    pool = kv.make_pool("konly")
+def test_konly_reads_of_v_raise_not_implemented(reader):
+    pool = make_pool("konly")
     with pytest.raises(NotImplementedError) as err:
         getattr(pool, reader)(0)
     assert "does not allocate V" in str(err.value)
     assert type(pool).__name__ in str(err.value)
 
 
-def test_konly_set_kv_raises_not_implemented_pointing_to_set_k(kv):
-    pool = kv.make_pool("konly")
+def test_konly_set_kv_raises_not_implemented_pointing_to_set_k():
+    pool = make_pool("konly")
     k = np.ones((1, pool.head_num, pool.head_dim), np.float32)
     with pytest.raises(NotImplementedError) as err:
         pool.set_kv(0, np.array([1]), k, k)
     assert "does not store V" in str(err.value)
     assert "set_k" in str(err.value)
-    assert not np.any(kv.host(pool.k_buffer[0])), "nothing was written"
+    assert not np.any(host(pool.k_buffer[0])), "nothing was written"
 
 
 # ---- setter semantics --------------------------------------------------------------------------
 
 
-def _encoded(kv, pool, x, scale=None):
-    return kv.encode_ref(x, pool.dtype, scale)
+def _encoded(pool, x, scale=None):
+    return encode_ref(x, pool.dtype, scale)
 
 
-def test_mha_set_kv_writes_k_and_v_rows_only_at_loc(kv, pool_dtype):
-    pool = kv.make_pool("mha", pool_dtype)
+def test_mha_set_kv_writes_k_and_v_rows_only_at_loc(pool_dtype):
+    pool = make_pool("mha", pool_dtype)
     rng = np.random.default_rng(3)
     loc = np.array([6, 1, 13])
-    k = kv.random_values(rng, (3, pool.head_num, pool.head_dim))
-    v = kv.random_values(rng, (3, pool.head_num, pool.v_head_dim))
+    k = random_values(rng, (3, pool.head_num, pool.head_dim))
+    v = random_values(rng, (3, pool.head_num, pool.v_head_dim))
     new = pool.set_kv(0, loc, k, v)
     for name, x in (("k_buffer", k), ("v_buffer", v)):
         expected = np.zeros(getattr(pool, name)[0].shape, pool.store_dtype)
-        expected[loc] = _encoded(kv, pool, x)
-        assert kv.same_bits(kv.host(getattr(new, name)[0]), expected), name
-        assert not np.any(kv.host(getattr(new, name)[1])), "other layer untouched"
+        expected[loc] = _encoded(pool, x)
+        assert same_bits(host(getattr(new, name)[0]), expected), name
+        assert not np.any(host(getattr(new, name)[1])), "other layer untouched"
 
 
-def test_set_k_writes_k_only(kv, pool_dtype):
-    pool = kv.make_pool("mha", pool_dtype)
+def test_set_k_writes_k_only(pool_dtype):
+    pool = make_pool("mha", pool_dtype)
     rng = np.random.default_rng(4)
     loc = np.array([2, 3])
-    k = kv.random_values(rng, (2, pool.head_num, pool.head_dim))
+    k = random_values(rng, (2, pool.head_num, pool.head_dim))
     new = pool.set_k(1, loc, k)
     expected = np.zeros(pool.k_buffer[1].shape, pool.store_dtype)
-    expected[loc] = _encoded(kv, pool, k)
-    assert kv.same_bits(kv.host(new.k_buffer[1]), expected)
-    assert not np.any(kv.host(new.v_buffer[1])), "V untouched"
+    expected[loc] = _encoded(pool, k)
+    assert same_bits(host(new.k_buffer[1]), expected)
+    assert not np.any(host(new.v_buffer[1])), "V untouched"
 
 
 @pytest.mark.parametrize("kind", ["konly", *LATENT_KINDS])
-def test_set_k_writes_the_key_rows(kv, kind, pool_dtype):
-    pool = kv.make_pool(kind, pool_dtype)
+def test_set_k_writes_the_key_rows(kind, pool_dtype):
+    pool = make_pool(kind, pool_dtype)
     rng = np.random.default_rng(5)
     loc = np.array([9, 4])
-    k = kv.random_values(rng, (2, *kv.key_row_shape(pool)))
+    k = random_values(rng, (2, *key_row_shape(pool)))
     new = pool.set_k(0, loc, k)
-    name = kv.row_buffer_names(kind)[0]
+    name = row_buffer_names(kind)[0]
     expected = np.zeros(getattr(pool, name)[0].shape, pool.store_dtype)
-    expected[loc] = kv.latent_rows_ref(pool, k) if kind in LATENT_KINDS else _encoded(kv, pool, k)
-    assert kv.same_bits(kv.host(getattr(new, name)[0]), expected)
+    expected[loc] = latent_rows_ref(pool, k) if kind in LATENT_KINDS else _encoded(pool, k)
+    assert same_bits(host(getattr(new, name)[0]), expected)
 
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
 @pytest.mark.parametrize("cache_v", ["none", "array"])
-def test_latent_set_kv_stores_cache_k_and_ignores_cache_v(kv, kind, cache_v, pool_dtype):
-    pool = kv.make_pool(kind, pool_dtype)
+def test_latent_set_kv_stores_cache_k_and_ignores_cache_v(kind, cache_v, pool_dtype):
+    pool = make_pool(kind, pool_dtype)
     rng = np.random.default_rng(6)
     loc = np.array([1, 8, 3])
-    k = kv.random_values(rng, (3, *kv.key_row_shape(pool)))
-    v = None if cache_v == "none" else kv.random_values(rng, (3, 1, pool.kv_lora_rank))
+    k = random_values(rng, (3, *key_row_shape(pool)))
+    v = None if cache_v == "none" else random_values(rng, (3, 1, pool.kv_lora_rank))
     new = pool.set_kv(0, loc, k, v, v_scale=None if v is None else 3.0)
     expected = np.zeros(pool.kv_buffer[0].shape, pool.store_dtype)
-    expected[loc] = kv.latent_rows_ref(pool, k)
-    assert kv.same_bits(kv.host(new.kv_buffer[0]), expected)
+    expected[loc] = latent_rows_ref(pool, k)
+    assert same_bits(host(new.kv_buffer[0]), expected)
 
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
-def test_set_mla_kv_writes_the_concatenation(kv, kind, pool_dtype):
-    pool = kv.make_pool(kind, pool_dtype)
+def test_set_mla_kv_writes_the_concatenation(kind, pool_dtype):
+    pool = make_pool(kind, pool_dtype)
     rng = np.random.default_rng(7)
     loc = np.array([2, 10])
-    k_nope = kv.random_values(rng, (2, 1, pool.kv_lora_rank))
-    k_rope = kv.random_values(rng, (2, 1, pool.qk_rope_head_dim)).astype(jnp.bfloat16)
+    k_nope = random_values(rng, (2, 1, pool.kv_lora_rank))
+    k_rope = random_values(rng, (2, 1, pool.qk_rope_head_dim)).astype(jnp.bfloat16)
     new = pool.set_mla_kv(1, loc, k_nope, k_rope, donate=False)
     expected = np.zeros(pool.kv_buffer[1].shape, pool.store_dtype)
-    expected[loc] = kv.mla_rows_ref(pool, k_nope, k_rope)
-    assert kv.same_bits(kv.host(new.kv_buffer[1]), expected)
+    expected[loc] = mla_rows_ref(pool, k_nope, k_rope)
+    assert same_bits(host(new.kv_buffer[1]), expected)
     same = pool.set_kv(1, loc, np.concatenate([k_nope, k_rope.astype(np.float32)], -1), None)
     chex.assert_trees_all_equal(same.kv_buffer, new.kv_buffer)
 
 
-def test_set_index_k_matches_the_numpy_quantiser(kv):
-    pool = kv.make_pool("nsa")
+def test_set_index_k_matches_the_numpy_quantiser():
+    pool = make_pool("nsa")
     rng = np.random.default_rng(8)
     loc = np.array([4, 7, 9])
-    x = kv.random_values(rng, (3, pool.index_head_dim), spread=100.0)
+    x = random_values(rng, (3, pool.index_head_dim), spread=100.0)
     new = pool.set_index_k(0, loc, x)
     records = np.zeros((rows_of(pool), pool.index_head_dim + 4), np.uint8)
-    records[loc] = kv.quantize_index_ref(x)
-    expected = kv.index_pages_ref(records, pool.page_size)
-    np.testing.assert_array_equal(kv.host(new.index_k_with_scale_buffer[0]), expected)
-    assert not np.any(kv.host(new.kv_buffer[0])), "latent rows untouched"
+    records[loc] = quantize_index_ref(x)
+    expected = index_pages_ref(records, pool.page_size)
+    np.testing.assert_array_equal(host(new.index_k_with_scale_buffer[0]), expected)
+    assert not np.any(host(new.kv_buffer[0])), "latent rows untouched"
 
 
-def test_empty_update_changes_nothing(kv, pool_kind):
-    pool = kv.make_pool(pool_kind)
-    before = kv.snapshot(pool, pool_kind)
-    for name in kv.SETTERS[pool_kind]:
-        pool = kv.call_setter(pool, name, 0, np.zeros((0,), np.int32), np.random.default_rng(0))
-    chex.assert_trees_all_equal(kv.snapshot(pool, pool_kind), before)
+def test_empty_update_changes_nothing(pool_kind):
+    pool = make_pool(pool_kind)
+    before = snapshot(pool, pool_kind)
+    for name in SETTERS[pool_kind]:
+        pool = call_setter(pool, name, 0, np.zeros((0,), np.int32), np.random.default_rng(0))
+    chex.assert_trees_all_equal(snapshot(pool, pool_kind), before)
 
 
 # ---- values: dtype conversion, scales, fp8 saturation ------------------------------------------
@@ -826,8 +851,8 @@ _INPUTS = [(d, False) for d in INPUT_DTYPES] + [(d, True) for d in INPUT_DTYPES[
 @pytest.mark.parametrize(
     "in_dtype, as_jax", _INPUTS, ids=[f"{'jax' if j else 'numpy'}-{d.name}" for d, j in _INPUTS]
 )
-def test_any_float_input_dtype_is_converted(kv, pool_dtype, in_dtype, as_jax):
-    pool = kv.make_pool("mha", pool_dtype)
+def test_any_float_input_dtype_is_converted(pool_dtype, in_dtype, as_jax):
+    pool = make_pool("mha", pool_dtype)
     rng = np.random.default_rng(9)
     k = _inputs_in(in_dtype, rng, (8, pool.head_num, pool.head_dim))
     v = _inputs_in(in_dtype, rng, (8, pool.head_num, pool.v_head_dim))
@@ -837,21 +862,21 @@ def test_any_float_input_dtype_is_converted(kv, pool_dtype, in_dtype, as_jax):
     new = pool.set_kv(0, loc, k, v)
     # A float64 input reaches the device as float32 (x64 off): the reference does the same.
     for name, x in (("k_buffer", k), ("v_buffer", v)):
-        got = kv.host(getattr(new, name)[0])[loc]
-        assert kv.same_bits(got, kv.encode_ref(np.asarray(x), pool_dtype)), name
+        got = host(getattr(new, name)[0])[loc]
+        assert same_bits(got, encode_ref(np.asarray(x), pool_dtype)), name
         if pool_dtype.itemsize == 1:  # fp8 saturates: finite in, finite stored
-            assert np.all(np.isfinite(kv.decode_ref(got, pool_dtype))), name
+            assert np.all(np.isfinite(decode_ref(got, pool_dtype))), name
 
 
-def test_unscaled_values_in_the_pool_dtype_round_trip_bit_exactly(kv, pool_dtype):
-    pool = kv.make_pool("konly", pool_dtype)
+def test_unscaled_values_in_the_pool_dtype_round_trip_bit_exactly(pool_dtype):
+    pool = make_pool("konly", pool_dtype)
     rows, width = rows_of(pool), np.dtype(f"uint{8 * pool_dtype.itemsize}")
     shape = (rows, pool.head_num, pool.head_dim)
     bits = np.random.default_rng(19).integers(0, np.iinfo(width).max, shape, dtype=width)
     x = bits.view(pool_dtype)
     x = np.where(np.isfinite(x.astype(np.float32)), x, np.zeros((), pool_dtype))  # any finite
     new = pool.set_k(0, np.arange(rows), x)
-    assert kv.same_bits(kv.host(new.get_key_buffer(0)), x)
+    assert same_bits(host(new.get_key_buffer(0)), x)
 
 
 @pytest.mark.parametrize(
@@ -859,54 +884,54 @@ def test_unscaled_values_in_the_pool_dtype_round_trip_bit_exactly(kv, pool_dtype
     [2.0, 0.37, np.float32(1e-3), np.float64(300.0), jnp.float32(0.5), jnp.bfloat16(3.0)],
     ids=["two", "odd", "np32", "np64", "jax32", "jaxbf16"],
 )
-def test_scaled_values_are_stored_divided(kv, pool_dtype, scale):
-    pool = kv.make_pool("mha", pool_dtype)
+def test_scaled_values_are_stored_divided(pool_dtype, scale):
+    pool = make_pool("mha", pool_dtype)
     rng = np.random.default_rng(10)
-    k = kv.random_values(rng, (4, pool.head_num, pool.head_dim))
-    v = kv.random_values(rng, (4, pool.head_num, pool.v_head_dim))
+    k = random_values(rng, (4, pool.head_num, pool.head_dim))
+    v = random_values(rng, (4, pool.head_num, pool.v_head_dim))
     loc = np.array([1, 2, 3, 4])
     new = pool.set_kv(0, loc, k, v, k_scale=scale, v_scale=2.5)
-    k_ref = kv.encode_ref(k, pool_dtype, np.float32(scale))
-    assert kv.same_bits(kv.host(new.k_buffer[0])[loc], k_ref)
-    assert kv.same_bits(kv.host(new.v_buffer[0])[loc], kv.encode_ref(v, pool_dtype, 2.5))
+    k_ref = encode_ref(k, pool_dtype, np.float32(scale))
+    assert same_bits(host(new.k_buffer[0])[loc], k_ref)
+    assert same_bits(host(new.v_buffer[0])[loc], encode_ref(v, pool_dtype, 2.5))
 
 
-def test_scale_divides_exactly_in_float32(kv):
-    pool = kv.make_pool("konly", jnp.float32)
+def test_scale_divides_exactly_in_float32():
+    pool = make_pool("konly", jnp.float32)
     x = np.array([3.0, 1.0, 2315.873, -6.8436863e15, 7.0, 0.1], np.float32)
     k = np.broadcast_to(x[:, None, None], (6, pool.head_num, pool.head_dim))
     # float64 input needs converting, so it is divided (in float32) before the cast.
     new = pool.set_k(0, np.arange(6), k.astype(np.float64), k_scale=0.37)
-    got = kv.host(new.get_key_buffer(0))[:6, 0, 0]
-    assert kv.same_bits(got, x / np.float32(0.37))  # IEEE quotient, not x * (1 / 0.37)
+    got = host(new.get_key_buffer(0))[:6, 0, 0]
+    assert same_bits(got, x / np.float32(0.37))  # IEEE quotient, not x * (1 / 0.37)
     new = new.set_k(0, np.array([0]), np.full((1, 2, 4), 3.0), k_scale=2.0)
     assert float(new.get_key_buffer(0)[0, 0, 0]) == 1.5
 
 
 @pytest.mark.parametrize("kind", ["mha", "konly", "mla"])
-def test_scale_is_ignored_for_values_already_in_the_pool_dtype(kv, kind, pool_dtype):
+def test_scale_is_ignored_for_values_already_in_the_pool_dtype(kind, pool_dtype):
     # SGLang divides by the scale only when it converts a value to the pool dtype: values in
     # the pool dtype, or raw bits in its store dtype, are stored as they are.
-    pool = kv.make_pool(kind, pool_dtype)
-    row = kv.key_row_shape(pool)
-    x = kv.random_values(np.random.default_rng(12), (3, *row)).astype(np.float32)
+    pool = make_pool(kind, pool_dtype)
+    row = key_row_shape(pool)
+    x = random_values(np.random.default_rng(12), (3, *row)).astype(np.float32)
     same = jnp.asarray(x).astype(pool_dtype)
     loc = np.array([1, 2, 3])
     new = pool.set_k(0, loc, same, k_scale=0.37, donate=False)
     buf = "kv_buffer" if kind == "mla" else "k_buffer"
-    want = kv.host(same).view(pool.store_dtype)
-    assert kv.same_bits(kv.host(getattr(new, buf)[0])[loc], want)
+    want = host(same).view(pool.store_dtype)
+    assert same_bits(host(getattr(new, buf)[0])[loc], want)
     new = pool.set_k(0, loc, want, k_scale=0.37)  # raw bits
-    assert kv.same_bits(kv.host(getattr(new, buf)[0])[loc], want)
+    assert same_bits(host(getattr(new, buf)[0])[loc], want)
 
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
-def test_latent_set_kv_applies_k_scale(kv, kind, pool_dtype):
+def test_latent_set_kv_applies_k_scale(kind, pool_dtype):
     """Where SGLang applies it: packed fp8 NSA rows carry a scale per tile and take no other."""
-    pool = kv.make_pool(kind, pool_dtype)
-    k = kv.random_values(np.random.default_rng(11), (2, *kv.key_row_shape(pool)))
+    pool = make_pool(kind, pool_dtype)
+    k = random_values(np.random.default_rng(11), (2, *key_row_shape(pool)))
     new = pool.set_kv(0, np.array([1, 2]), k, None, k_scale=0.25, v_scale=1e-9)
-    assert kv.same_bits(kv.host(new.kv_buffer[0])[1:3], kv.latent_rows_ref(pool, k, 0.25))
+    assert same_bits(host(new.kv_buffer[0])[1:3], latent_rows_ref(pool, k, 0.25))
 
 
 @pytest.mark.parametrize(
@@ -926,26 +951,26 @@ def test_latent_set_kv_applies_k_scale(kv, kind, pool_dtype):
     ids=lambda x: str(x),
 )
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-def test_fp8_casts_saturate(kv, pool_dtype, value, stored):
-    pool = kv.make_pool("mha", pool_dtype)
+def test_fp8_casts_saturate(pool_dtype, value, stored):
+    pool = make_pool("mha", pool_dtype)
     in_dtype = np.float64 if abs(value) > 3.4e38 else np.float32
     k = np.full((1, pool.head_num, pool.head_dim), value, in_dtype)
     v = np.full((1, pool.head_num, pool.v_head_dim), value, in_dtype)
     new = pool.set_kv(0, np.array([3]), k, v)
     for read in (new.get_key_buffer(0), new.get_value_buffer(0)):
-        np.testing.assert_array_equal(kv.host(read)[3].astype(np.float32), stored)
+        np.testing.assert_array_equal(host(read)[3].astype(np.float32), stored)
 
 
 @pytest.mark.parametrize("pool_dtype", FP8, ids=lambda d: d.name)
 @pytest.mark.parametrize("scale", [None, 1e-30], ids=["unscaled", "scaled"])
-def test_fp8_never_turns_finite_input_into_nan_or_inf(kv, pool_dtype, pool_kind, scale):
-    pool = kv.make_pool(pool_kind, pool_dtype)
+def test_fp8_never_turns_finite_input_into_nan_or_inf(pool_dtype, pool_kind, scale):
+    pool = make_pool(pool_kind, pool_dtype)
     rng = np.random.default_rng(12)
     f32 = np.finfo(np.float32)
     loc = np.arange(rows_of(pool))
     # Every magnitude from float32's smallest subnormal to its max, both signs.
     mags = np.geomspace(float(f32.smallest_subnormal), float(f32.max), 64).astype(np.float32)
-    shape = (len(loc), *kv.key_row_shape(pool))
+    shape = (len(loc), *key_row_shape(pool))
     x = rng.choice(mags, shape) * rng.choice(np.float32([-1, 1]), shape)
     if pool_kind == "mha":
         pool = pool.set_kv(0, loc, x, x[..., : pool.v_head_dim], k_scale=scale, v_scale=scale)
@@ -955,26 +980,26 @@ def test_fp8_never_turns_finite_input_into_nan_or_inf(kv, pool_dtype, pool_kind,
         r = pool.kv_lora_rank
         pool = pool.set_mla_kv(1, loc, x[..., :r], x[..., r:])
     for layer in range(pool.layer_num):
-        for name in kv.row_buffer_names(pool_kind):
-            bits = kv.host(getattr(pool, name)[layer])
-            if kv.is_packed(pool):  # codes, scales and rope all finite: so is what reads return
-                stored = kv.latent_read_ref(pool, bits)
-                np.testing.assert_array_equal(kv.host(pool.get_key_buffer(layer)), stored)
+        for name in row_buffer_names(pool_kind):
+            bits = host(getattr(pool, name)[layer])
+            if is_packed(pool):  # codes, scales and rope all finite: so is what reads return
+                stored = latent_read_ref(pool, bits)
+                np.testing.assert_array_equal(host(pool.get_key_buffer(layer)), stored)
             else:
-                stored = kv.decode_ref(bits, pool_dtype)
+                stored = decode_ref(bits, pool_dtype)
             assert np.all(np.isfinite(stored)), (name, layer)
 
 
 # ---- loc: dropping, bounds checks ------------------------------------------------------------
 
 
-def _prefilled(kv, kind, dtype=jnp.bfloat16):
+def _prefilled(kind, dtype=jnp.bfloat16):
     """A pool whose every row of every layer holds distinct data."""
-    pool = kv.make_pool(kind, dtype)
+    pool = make_pool(kind, dtype)
     rng = np.random.default_rng(13)
     every = np.arange(rows_of(pool))
     for layer in range(pool.layer_num):
-        pool = kv.fill_all(pool, kind, layer, every, rng)
+        pool = fill_all(pool, kind, layer, every, rng)
     return pool
 
 
@@ -992,23 +1017,23 @@ _BAD_LOCS = {
 
 
 @pytest.mark.parametrize("bad", list(_BAD_LOCS))
-def test_out_of_range_loc_is_dropped_and_touches_nothing(kv, pool_kind, bad):
-    pool = _prefilled(kv, pool_kind)
+def test_out_of_range_loc_is_dropped_and_touches_nothing(pool_kind, bad):
+    pool = _prefilled(pool_kind)
     loc = _BAD_LOCS[bad](rows_of(pool))
-    before = kv.snapshot(pool, pool_kind)
-    new = kv.fill_all(pool, pool_kind, 1, loc, np.random.default_rng(14))
-    chex.assert_trees_all_equal(kv.snapshot(new, pool_kind), before)
+    before = snapshot(pool, pool_kind)
+    new = fill_all(pool, pool_kind, 1, loc, np.random.default_rng(14))
+    chex.assert_trees_all_equal(snapshot(new, pool_kind), before)
 
 
-def test_minus_one_and_wrapping_slots_leave_their_rows_alone_among_valid_ones(kv, pool_kind):
-    pool = _prefilled(kv, pool_kind, jnp.float32)
+def test_minus_one_and_wrapping_slots_leave_their_rows_alone_among_valid_ones(pool_kind):
+    pool = _prefilled(pool_kind, jnp.float32)
     rows = rows_of(pool)
     loc = np.array([3, -1, 2**32 + 5, rows, 7, -rows + 5], np.int64)
     valid = np.array([True, False, False, False, True, False])
-    before = kv.snapshot(pool, pool_kind)
-    new = kv.fill_all(pool, pool_kind, 0, loc, np.random.default_rng(15))
-    after = kv.snapshot(new, pool_kind)
-    for name in kv.row_buffer_names(pool_kind):
+    before = snapshot(pool, pool_kind)
+    new = fill_all(pool, pool_kind, 0, loc, np.random.default_rng(15))
+    after = snapshot(new, pool_kind)
+    for name in row_buffer_names(pool_kind):
         changed = np.flatnonzero(np.any(after[name][0] != before[name][0], axis=(1, 2)))
         np.testing.assert_array_equal(changed, loc[valid])
         np.testing.assert_array_equal(after[name][0][rows - 1], before[name][0][rows - 1])
@@ -1020,37 +1045,37 @@ def test_minus_one_and_wrapping_slots_leave_their_rows_alone_among_valid_ones(kv
 
 
 @pytest.mark.parametrize("bad_first", ["minus-one", "past-end", "int64-huge"])
-def test_check_bounds_raises_naming_the_first_bad_entry(kv, pool_kind, bad_first):
-    pool = kv.make_pool(pool_kind)
+def test_check_bounds_raises_naming_the_first_bad_entry(pool_kind, bad_first):
+    pool = make_pool(pool_kind)
     rows = rows_of(pool)
     bad = {"minus-one": -1, "past-end": rows + 1, "int64-huge": 2**32 + 5}[bad_first]
     loc = np.array([1, 2, bad, rows + 1000, 3], np.int64)
-    before = kv.snapshot(pool, pool_kind)
-    for name in kv.SETTERS[pool_kind]:
+    before = snapshot(pool, pool_kind)
+    for name in SETTERS[pool_kind]:
         with pytest.raises(IndexError) as err:
-            kv.call_setter(pool, name, 0, loc, np.random.default_rng(0), check_bounds=True)
+            call_setter(pool, name, 0, loc, np.random.default_rng(0), check_bounds=True)
         msg = str(err.value)
         assert str(bad) in msg, msg
         assert str(rows + 1000) not in msg, msg
-    chex.assert_trees_all_equal(kv.snapshot(pool, pool_kind), before)  # unchanged, not donated
+    chex.assert_trees_all_equal(snapshot(pool, pool_kind), before)  # unchanged, not donated
 
 
-def test_check_bounds_accepts_valid_loc(kv, pool_kind):
-    pool = kv.make_pool(pool_kind, jnp.float32)
+def test_check_bounds_accepts_valid_loc(pool_kind):
+    pool = make_pool(pool_kind, jnp.float32)
     loc = np.array([0, rows_of(pool) - 1])
-    new = kv.fill_all(pool, pool_kind, 0, loc, np.random.default_rng(0), check_bounds=True)
-    for name in kv.row_buffer_names(pool_kind):
-        buf = kv.host(getattr(new, name)[0])
+    new = fill_all(pool, pool_kind, 0, loc, np.random.default_rng(0), check_bounds=True)
+    for name in row_buffer_names(pool_kind):
+        buf = host(getattr(new, name)[0])
         assert np.any(buf[loc[0]]) and np.any(buf[loc[1]]), name
 
 
 # ---- shape errors ----------------------------------------------------------------------------
 
 
-def _shape_cases(kv, pool, kind):
+def _shape_cases(pool, kind):
     """(description, call, argument name, expected shape, actual shape) for each bad shape."""
     t, loc, f = 3, np.array([1, 2, 3]), np.zeros
-    key = (t, *kv.key_row_shape(pool))
+    key = (t, *key_row_shape(pool))
     wide_key = (*key[:-1], key[-1] + 2)
     cases = [
         ("set_k-dim", lambda: pool.set_k(0, loc, f(wide_key)), "cache_k", key, wide_key),
@@ -1102,43 +1127,43 @@ def _shape_cases(kv, pool, kind):
     return cases
 
 
-def test_wrong_value_shapes_raise_value_error_naming_argument_and_shapes(kv, pool_kind):
-    pool = kv.make_pool(pool_kind)
-    before = kv.snapshot(pool, pool_kind)
-    for desc, call, arg, expected, actual in _shape_cases(kv, pool, pool_kind):
+def test_wrong_value_shapes_raise_value_error_naming_argument_and_shapes(pool_kind):
+    pool = make_pool(pool_kind)
+    before = snapshot(pool, pool_kind)
+    for desc, call, arg, expected, actual in _shape_cases(pool, pool_kind):
         with pytest.raises(ValueError) as err:
             call()
         msg = str(err.value)
         assert arg in msg, (desc, msg)
         assert str(tuple(expected)) in msg, (desc, msg)
         assert str(tuple(actual)) in msg, (desc, msg)
-    chex.assert_trees_all_equal(kv.snapshot(pool, pool_kind), before)  # nothing written
+    chex.assert_trees_all_equal(snapshot(pool, pool_kind), before)  # nothing written
 
 
 @pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
-def test_loc_of_wrong_rank_raises_value_error(kv, pool_kind, shape):
-    pool = kv.make_pool(pool_kind)
+def test_loc_of_wrong_rank_raises_value_error(pool_kind, shape):
+    pool = make_pool(pool_kind)
     loc = np.ones(shape, np.int32)
-    for name in kv.SETTERS[pool_kind]:
+    for name in SETTERS[pool_kind]:
         with pytest.raises(ValueError, match="loc") as err:
-            kv.call_setter(pool, name, 0, loc, np.random.default_rng(0))
+            call_setter(pool, name, 0, loc, np.random.default_rng(0))
         assert str(shape) in str(err.value), name
 
 
 # ---- purity, donation, sharding ----------------------------------------------------------------
 
 
-def test_updates_never_mutate_their_inputs(kv, pool_kind):
+def test_updates_never_mutate_their_inputs(pool_kind):
     # fp8 with scales: the path that divides and clips (SGLang divides the caller's tensor).
-    pool = kv.make_pool(pool_kind, jnp.float8_e4m3fn)
+    pool = make_pool(pool_kind, jnp.float8_e4m3fn)
     rng = np.random.default_rng(16)
     loc = np.array([2**32 + 5, 1, -1, 4], np.int64)
     loc_copy = loc.copy()
-    for name in kv.SETTERS[pool_kind]:
+    for name in SETTERS[pool_kind]:
         scales = {"k_scale": 0.5} if name in ("set_k", "set_kv") else {}
         if name == "set_kv" and pool_kind == "mha":
             scales["v_scale"] = 4.0
-        args = kv.setter_args(pool, name, len(loc), rng)
+        args = setter_args(pool, name, len(loc), rng)
         kept = [None if a is None else a.copy() for a in args]
         pool = getattr(pool, name)(0, loc, *args, **scales)
         for a, b in zip(args, kept, strict=True):
@@ -1148,23 +1173,23 @@ def test_updates_never_mutate_their_inputs(kv, pool_kind):
         for a, b in zip(jax_args, kept, strict=True):
             if a is not None:
                 assert not a.is_deleted(), f"{name} donated a value argument"
-                np.testing.assert_array_equal(kv.host(a), b[1:])
+                np.testing.assert_array_equal(host(a), b[1:])
     np.testing.assert_array_equal(loc, loc_copy)
 
 
-def test_donate_true_donates_only_the_replaced_layer_buffers(kv, pool_setter):
+def test_donate_true_donates_only_the_replaced_layer_buffers(pool_setter):
     pool_kind, setter_name = pool_setter
-    written = kv.SETTERS[pool_kind][setter_name]
-    old = _prefilled(kv, pool_kind)
-    keep = kv.snapshot(old, pool_kind)
-    new = kv.call_setter(old, setter_name, 1, np.array([3, 5]), np.random.default_rng(17))
-    for name in kv.buffer_names(pool_kind):
+    written = SETTERS[pool_kind][setter_name]
+    old = _prefilled(pool_kind)
+    keep = snapshot(old, pool_kind)
+    new = call_setter(old, setter_name, 1, np.array([3, 5]), np.random.default_rng(17))
+    for name in buffer_names(pool_kind):
         for li in range(old.layer_num):
             buf = getattr(old, name)[li]
             if name in written and li == 1:
                 assert buf.is_deleted()
             else:
-                chex.assert_trees_all_equal(kv.host(buf), keep[name][li])
+                chex.assert_trees_all_equal(host(buf), keep[name][li])
     readers = {
         "k_buffer": [lambda p: p.get_key_buffer(1)],
         "v_buffer": [lambda p: p.get_value_buffer(1), lambda p: p.get_kv_buffer(1)],
@@ -1185,44 +1210,44 @@ def test_donate_true_donates_only_the_replaced_layer_buffers(kv, pool_setter):
     # unchanged above) are refused too, so no stray update can donate what the new pool holds.
     with pytest.raises(jaxkv.ConsumedPoolError, match="consumed by an earlier update"):
         old.get_key_buffer(0)
-    key = kv.row_buffer_names(pool_kind)[0]
-    assert kv.same_bits(kv.host(new.get_key_buffer(0)).view(old.store_dtype), keep[key][0])
+    key = row_buffer_names(pool_kind)[0]
+    assert same_bits(host(new.get_key_buffer(0)).view(old.store_dtype), keep[key][0])
 
 
-def test_donate_false_keeps_the_old_pool_valid(kv, pool_kind):
-    old = _prefilled(kv, pool_kind)
-    keep = kv.snapshot(old, pool_kind)
-    new = kv.fill_all(old, pool_kind, 1, np.array([3, 5]), np.random.default_rng(18), donate=False)
-    chex.assert_trees_all_equal(kv.snapshot(old, pool_kind), keep)
-    changed = kv.snapshot(new, pool_kind)
-    for name in kv.buffer_names(pool_kind):
+def test_donate_false_keeps_the_old_pool_valid(pool_kind):
+    old = _prefilled(pool_kind)
+    keep = snapshot(old, pool_kind)
+    new = fill_all(old, pool_kind, 1, np.array([3, 5]), np.random.default_rng(18), donate=False)
+    chex.assert_trees_all_equal(snapshot(old, pool_kind), keep)
+    changed = snapshot(new, pool_kind)
+    for name in buffer_names(pool_kind):
         assert not np.array_equal(changed[name][1], keep[name][1]), name
         np.testing.assert_array_equal(changed[name][0], keep[name][0])
 
 
-def test_results_keep_type_shapes_and_dtypes(kv, pool_kind):
-    pool = kv.make_pool(pool_kind, jnp.float16)
+def test_results_keep_type_shapes_and_dtypes(pool_kind):
+    pool = make_pool(pool_kind, jnp.float16)
     ref = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pool)
-    for name in kv.SETTERS[pool_kind]:
+    for name in SETTERS[pool_kind]:
         for donate in (True, False):
             rng = np.random.default_rng(0)
-            new = kv.call_setter(pool, name, 0, np.array([1, 2]), rng, donate=donate)
+            new = call_setter(pool, name, 0, np.array([1, 2]), rng, donate=donate)
             assert type(new) is type(pool)
             assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(pool)
             chex.assert_trees_all_equal_shapes_and_dtypes(new, ref)
             pool = new
 
 
-def test_sharding_places_every_buffer_and_updates_keep_it(kv, pool_kind, device_sharding):
-    pool = kv.make_pool(pool_kind, jnp.float8_e4m3fn, sharding=device_sharding)
+def test_sharding_places_every_buffer_and_updates_keep_it(pool_kind, device_sharding):
+    pool = make_pool(pool_kind, jnp.float8_e4m3fn, sharding=device_sharding)
     for leaf in jax.tree_util.tree_leaves(pool):
         assert leaf.sharding == device_sharding
-    for name in kv.SETTERS[pool_kind]:
-        pool = kv.call_setter(pool, name, 1, np.array([2, 3]), np.random.default_rng(0))
+    for name in SETTERS[pool_kind]:
+        pool = call_setter(pool, name, 1, np.array([2, 3]), np.random.default_rng(0))
         for leaf in jax.tree_util.tree_leaves(pool):
             assert leaf.sharding == device_sharding, name
     step = jax.jit(
-        lambda p, loc: p.set_k(1, loc, jnp.ones((2, *kv.key_row_shape(p)))), donate_argnums=0
+        lambda p, loc: p.set_k(1, loc, jnp.ones((2, *key_row_shape(p)))), donate_argnums=0
     )
     pool = step(pool, jnp.array([4, 5]))
     for leaf in jax.tree_util.tree_leaves(pool):
@@ -1230,15 +1255,15 @@ def test_sharding_places_every_buffer_and_updates_keep_it(kv, pool_kind, device_
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_a_slot_repeated_in_one_call_gets_one_of_its_tokens_and_touches_no_other_row(kv, kind):
+def test_a_slot_repeated_in_one_call_gets_one_of_its_tokens_and_touches_no_other_row(kind):
     # Scatters declare distinct slots; a caller that repeats one gets, per element, the value of
     # one of the tokens written there (which one is the backend's choice), and nothing else moves.
-    pool = kv.make_pool(kind, jnp.float32)
-    row = kv.key_row_shape(pool)
+    pool = make_pool(kind, jnp.float32)
+    row = key_row_shape(pool)
     rng = np.random.default_rng(21)
-    x = kv.random_values(rng, (4, *row))
+    x = random_values(rng, (4, *row))
     new = pool.set_k(0, np.array([3, 5, 3, 3]), x)
-    buf = kv.host(new.get_key_buffer(0))
+    buf = host(new.get_key_buffer(0))
     assert np.all((buf[3] == x[0]) | (buf[3] == x[2]) | (buf[3] == x[3]))
     np.testing.assert_array_equal(buf[5], x[1])
     others = np.delete(buf, [3, 5], axis=0)

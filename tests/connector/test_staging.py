@@ -5,12 +5,10 @@ about one run in six ("terminate called without an active exception"): an XLA wo
 the last reference to the numpy memory during shutdown. Several short runs catch a regression.
 """
 
-from pathlib import Path
-
 import pytest
-from conftest import run_python
+from helpers import REPO, run_python
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sglang_shaped_pools.py"
+EXAMPLE = REPO / "examples" / "sglang_shaped_pools.py"
 
 
 @pytest.mark.slow  # six fresh interpreters

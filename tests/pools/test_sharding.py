@@ -4,7 +4,7 @@ because the device count is fixed when jax starts."""
 import textwrap
 
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 SCRIPT = textwrap.dedent(
     """

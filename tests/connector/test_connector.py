@@ -10,161 +10,40 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows, run_python
+from helpers import (
+    CONNECTOR_KINDS,
+    INDEX_ATTR,
+    INDEX_HEAD_DIM,
+    REPO,
+    assert_raw_equal,
+    buffer_attrs,
+    connector_pool,
+    fill_random_bits,
+    model_load,
+    nsa_kv_row,
+    random_mha_pool,
+    raw_bits,
+    raw_rows,
+    roundtrip,
+    run_python,
+    scattered_slots,
+    token_rows,
+)
 
 import jaxkv
-from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool, testing
+from jaxkv import MHAPool, testing
 from jaxkv.connector import DiskStore, HostStore, KVConnector, min_block_count
 
-REPO = Path(__file__).resolve().parents[1]
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
-KINDS = ("mha", "k_only", "mla", "nsa")
-INDEX_ATTR = "index_k_with_scale_buffer"
-INDEX_HEAD_DIM = 8
 # (page_size, block_size, start_layer): token pools, paged pools with block == page, and
 # blocks of two pages; stages that do not start at layer 0.
 CONFIGS = ((1, None, 0), (4, None, 3), (16, None, 0), (4, 8, 1))
-
-# --------------------------------------------------------------------------------------------
-# A numpy model of the pools' buffers
-
-
-def _bits_dtype(dtype) -> np.dtype:
-    return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
-
-
-def _make_pool(kind, *, size=64, page_size=4, dtype=jnp.bfloat16, layer_num=2, start_layer=0):
-    common = dict(
-        size=size, page_size=page_size, dtype=dtype, layer_num=layer_num, start_layer=start_layer
-    )
-    if kind == "mha":
-        return MHAPool.create(head_num=2, head_dim=4, v_head_dim=3, **common)
-    if kind == "k_only":
-        return KOnlyPool.create(head_num=2, head_dim=4, **common)
-    if kind == "mla":
-        return MLAPool.create(kv_lora_rank=6, qk_rope_head_dim=2, **common)
-    return NSAPool.create(
-        kv_lora_rank=_nsa_rank(dtype), qk_rope_head_dim=2, index_head_dim=INDEX_HEAD_DIM, **common
-    )
-
-
-def _nsa_rank(dtype) -> int:
-    """fp8 NSA pools pack the latent in tiles of 128 values: their rank is a multiple of 128."""
-    return 128 if np.dtype(dtype).itemsize == 1 else 6
-
-
-def _nsa_kv_row(dtype) -> tuple[int, int]:
-    """Per-token `kv_buffer` row of `_make_pool("nsa", dtype=dtype)`: fp8 pools keep SGLang's
-    packed row (fp8 latent, a float32 scale per 128 values, bfloat16 rope), others the values."""
-    rank = _nsa_rank(dtype)
-    return (1, rank + 4 * (rank // 128) + 2 * 2) if np.dtype(dtype).itemsize == 1 else (1, rank + 2)
-
-
-def _attrs(pool) -> tuple[str, ...]:
-    """The per-layer buffer attributes an object has, in SGLang's names."""
-    names = ("k_buffer", "v_buffer", "kv_buffer", INDEX_ATTR)
-    return tuple(a for a in names if hasattr(pool, a))
-
-
-def _random_bits(rng, shape, dtype) -> np.ndarray:
-    """Uniformly random raw bit patterns viewed as `dtype` (NaNs, infs and subnormals included)."""
-    bits = _bits_dtype(dtype)
-    return rng.integers(0, np.iinfo(bits).max, shape, dtype=bits, endpoint=True).view(dtype)
-
-
-def _fill(pool, rng):
-    """Writes random bits into every row of every layer (NSA: random index keys too)."""
-    loc = np.arange(pool.size + pool.page_size)
-    t = loc.shape[0]
-    for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
-        if isinstance(pool, MHAPool):
-            k = _random_bits(rng, (t, pool.head_num, pool.head_dim), pool.dtype)
-            v = _random_bits(rng, (t, pool.head_num, pool.v_head_dim), pool.dtype)
-            pool = pool.set_kv(layer, loc, jnp.asarray(k), jnp.asarray(v))
-        elif isinstance(pool, KOnlyPool):
-            k = _random_bits(rng, (t, pool.head_num, pool.head_dim), pool.dtype)
-            pool = pool.set_k(layer, loc, jnp.asarray(k))
-        else:
-            width = pool.kv_lora_rank + pool.qk_rope_head_dim
-            latent = jnp.asarray(_random_bits(rng, (t, 1, width), pool.dtype))
-            if isinstance(pool, NSAPool) and np.dtype(pool.dtype).itemsize == 1:
-                # Packed fp8 rows: random raw rows, written as they are (uint8 in and stored).
-                latent = jnp.asarray(_random_bits(rng, (t, *_nsa_kv_row(pool.dtype)), np.uint8))
-            pool = pool.set_kv(layer, loc, latent, None)
-            if isinstance(pool, NSAPool):
-                mag = 10.0 ** rng.uniform(-3, 3, (t, 1))
-                index = (rng.standard_normal((t, pool.index_head_dim)) * mag).astype(np.float32)
-                pool = pool.set_index_k(layer, loc, index)
-    return pool
-
-
-def _raw(pool) -> dict[str, list[np.ndarray]]:
-    """Owned copies of every layer buffer's raw bits (jaxkv pool or SGLang-shaped object)."""
-    out = {}
-    for attr in _attrs(pool):
-        out[attr] = []
-        for buf in getattr(pool, attr):
-            host = np.array(buf, copy=True)
-            out[attr].append(host.view(_bits_dtype(host.dtype)))
-    return out
-
-
-def _index_positions(slot: int, page_size: int, head_dim: int) -> np.ndarray:
-    """Flat byte offsets of one token's record (fp8 keys, then its float32 scale) in SGLang's
-    indexer layout `(pages, page_size * (head_dim + 4))`."""
-    page, off = divmod(int(slot), page_size)
-    base = page * page_size * (head_dim + 4)
-    keys = base + off * head_dim + np.arange(head_dim)
-    scale = base + page_size * head_dim + off * 4 + np.arange(4)
-    return np.concatenate([keys, scale])
-
-
-def _token_rows(attr, buf, slots, page_size) -> np.ndarray:
-    """Per-token entries `(T, *row)` of one buffer at `slots`."""
-    slots = np.asarray(slots)
-    if attr != INDEX_ATTR:
-        return buf[slots]
-    flat = buf.reshape(-1)
-    return np.stack([flat[_index_positions(s, page_size, INDEX_HEAD_DIM)] for s in slots])
-
-
-def _model_load(before, src, src_slots, dst_slots, page_size):
-    """What `dst` must hold after rows `src_slots` of `src` were loaded into `dst_slots`."""
-    out = {}
-    for attr, layers in before.items():
-        out[attr] = []
-        for li, buf in enumerate(layers):
-            new = buf.copy()
-            rows = _token_rows(attr, src[attr][li], src_slots, page_size)
-            if attr == INDEX_ATTR:
-                flat = new.reshape(-1)
-                for s, row in zip(dst_slots, rows, strict=True):
-                    flat[_index_positions(s, page_size, INDEX_HEAD_DIM)] = row
-            else:
-                new[np.asarray(dst_slots)] = rows
-            out[attr].append(new)
-    return out
-
-
-def _assert_raw_equal(got, want):
-    assert got.keys() == want.keys()
-    for attr in want:
-        for li, (g, w) in enumerate(zip(got[attr], want[attr], strict=True)):
-            np.testing.assert_array_equal(g, w, err_msg=f"{attr}[{li}]")
-
-
-def _slots(rng, *, size, page_size, n):
-    """`n` slots as an allocator hands them out: scattered single slots for token pools,
-    whole pages in a shuffled order for paged pools (never page 0)."""
-    pages = rng.permutation(np.arange(1, size // page_size + 1))[: -(-n // page_size)]
-    return np.concatenate([p * page_size + np.arange(page_size) for p in pages])[:n]
 
 
 def _record_path(root, key: str) -> str:
@@ -228,38 +107,20 @@ def _foreign(kind, raw, dtype, page_size, backend):
 # Round trips
 
 
-def _roundtrip(src, dst, conn, *, rng, size, page_size, n_tokens):
-    """Stores `n_tokens` (full blocks plus a partial tail) of `src` and loads them into other
-    slots of `dst`; checks every layer and part of `dst` against the numpy model."""
-    bs = conn.block_size
-    tokens = rng.integers(0, 50_000, n_tokens)
-    src_slots = _slots(rng, size=size, page_size=page_size, n=n_tokens)
-    dst_slots = _slots(rng, size=size, page_size=page_size, n=n_tokens)
-    full = n_tokens // bs * bs
-    assert conn.store(src, tokens, src_slots) == n_tokens // bs
-    assert conn.lookup(tokens) == full
-    src_raw, before = _raw(src), _raw(dst)
-    dst, n = conn.load(dst, tokens, dst_slots)
-    assert n == full
-    want = _model_load(before, src_raw, src_slots[:n], dst_slots[:n], page_size)
-    _assert_raw_equal(_raw(dst), want)
-    return dst
-
-
 @pytest.mark.parametrize("page_size,block_size,start_layer", CONFIGS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CONNECTOR_KINDS)
 def test_roundtrip_jaxkv_pools_token_and_paged(kind, page_size, block_size, start_layer):
     rng = np.random.default_rng(0)
     bs = block_size or (page_size if page_size > 1 else 16)
     size = max(64, 8 * bs)
 
     def make():
-        return _make_pool(kind, size=size, page_size=page_size, start_layer=start_layer)
+        return connector_pool(kind, size=size, page_size=page_size, start_layer=start_layer)
 
-    src, dst = _fill(make(), rng), _fill(make(), rng)
+    src, dst = fill_random_bits(make(), rng), fill_random_bits(make(), rng)
     conn = KVConnector(src, HostStore(1 << 24), block_size=block_size)
     assert conn.block_size == bs
-    dst = _roundtrip(
+    dst = roundtrip(
         src,
         dst,
         conn,
@@ -272,15 +133,15 @@ def test_roundtrip_jaxkv_pools_token_and_paged(kind, page_size, block_size, star
 
 
 @pytest.mark.parametrize("page_size,block_size", ((1, 16), (4, 8)))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CONNECTOR_KINDS)
 def test_roundtrip_between_contiguous_and_scattered_slots(kind, page_size, block_size):
     """Blocks that are one run of slots and blocks that are not, in both directions."""
     rng = np.random.default_rng(12)
 
     def make():
-        return _make_pool(kind, size=64, page_size=page_size)
+        return connector_pool(kind, size=64, page_size=page_size)
 
-    src, dst = _fill(make(), rng), _fill(make(), rng)
+    src, dst = fill_random_bits(make(), rng), fill_random_bits(make(), rng)
     conn = KVConnector(src, HostStore(1 << 24), block_size=block_size)
     tokens = rng.integers(0, 50_000, 32)
     runs = np.arange(17, 49)
@@ -290,65 +151,71 @@ def test_roundtrip_between_contiguous_and_scattered_slots(kind, page_size, block
         scattered = np.concatenate([p * 4 + np.arange(4) for p in range(16, 8, -1)])
     assert conn.store(src, tokens, runs) == 32 // block_size
     for dst_slots in (scattered, runs):
-        before, src_raw = _raw(dst), _raw(src)
+        before, src_raw = raw_bits(dst), raw_bits(src)
         dst, n = conn.load(dst, tokens, dst_slots)
         assert n == 32
-        _assert_raw_equal(_raw(dst), _model_load(before, src_raw, runs, dst_slots, page_size))
+        assert_raw_equal(raw_bits(dst), model_load(before, src_raw, runs, dst_slots, page_size))
     conn2 = KVConnector(src, HostStore(1 << 24), block_size=block_size)
     assert conn2.store(src, tokens, scattered) == 32 // block_size
-    before = _raw(dst)
+    before = raw_bits(dst)
     dst, n = conn2.load(dst, tokens, runs)
-    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, scattered, runs, page_size))
+    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, scattered, runs, page_size))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CONNECTOR_KINDS)
 def test_roundtrip_jaxkv_pools_every_dtype(kind, dtype):
     rng = np.random.default_rng(1)
 
     def make():
-        return _make_pool(kind, size=64, page_size=4, dtype=dtype, start_layer=2)
+        return connector_pool(kind, size=64, page_size=4, dtype=dtype, start_layer=2)
 
-    src, dst = _fill(make(), rng), _fill(make(), rng)
+    src, dst = fill_random_bits(make(), rng), fill_random_bits(make(), rng)
     conn = KVConnector(src, HostStore(1 << 24), block_size=8)
-    _roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=21)
+    roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=21)
 
 
 @pytest.mark.parametrize("backend", ("numpy", "jax"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CONNECTOR_KINDS)
 def test_roundtrip_sglang_shaped_objects(kind, dtype, backend):
     rng = np.random.default_rng(2)
     page_size = 4
 
     def make():
-        return _raw(_fill(_make_pool(kind, size=64, page_size=page_size, dtype=dtype), rng))
+        return raw_bits(
+            fill_random_bits(connector_pool(kind, size=64, page_size=page_size, dtype=dtype), rng)
+        )
 
     src = _foreign(kind, make(), dtype, page_size, backend)
     dst = _foreign(kind, make(), dtype, page_size, backend)
     conn = KVConnector(src, HostStore(1 << 24))
     assert conn.block_size == page_size
-    out = _roundtrip(src, dst, conn, rng=rng, size=64, page_size=page_size, n_tokens=14)
+    out = roundtrip(src, dst, conn, rng=rng, size=64, page_size=page_size, n_tokens=14)
     assert out is dst
-    for attr in _attrs(dst):  # the object keeps its kind of buffers
+    for attr in buffer_attrs(dst):  # the object keeps its kind of buffers
         array_type = np.ndarray if backend == "numpy" else jax.Array
         assert all(isinstance(b, array_type) for b in getattr(dst, attr))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CONNECTOR_KINDS)
 def test_roundtrip_sglang_shaped_token_pool_defaults_to_16(kind):
     """An object without `page_size` is a token pool: blocks of 16."""
     rng = np.random.default_rng(3)
     src, dst = (
         _foreign(
-            kind, _raw(_fill(_make_pool(kind, size=64, page_size=1), rng)), jnp.bfloat16, 1, "numpy"
+            kind,
+            raw_bits(fill_random_bits(connector_pool(kind, size=64, page_size=1), rng)),
+            jnp.bfloat16,
+            1,
+            "numpy",
         )
         for _ in range(2)
     )
     del src.page_size, dst.page_size
     conn = KVConnector(src, HostStore(1 << 24))
     assert conn.block_size == 16
-    _roundtrip(src, dst, conn, rng=rng, size=64, page_size=1, n_tokens=40)
+    roundtrip(src, dst, conn, rng=rng, size=64, page_size=1, n_tokens=40)
 
 
 def test_jaxkv_and_disk_roundtrip_nsa_index_bytes_with_scales(tmp_path):
@@ -356,17 +223,17 @@ def test_jaxkv_and_disk_roundtrip_nsa_index_bytes_with_scales(tmp_path):
     rng = np.random.default_rng(4)
 
     def make():
-        return _make_pool("nsa", size=64, page_size=16, dtype=jnp.float8_e4m3fn)
+        return connector_pool("nsa", size=64, page_size=16, dtype=jnp.float8_e4m3fn)
 
-    src, dst = _fill(make(), rng), _fill(make(), rng)
+    src, dst = fill_random_bits(make(), rng), fill_random_bits(make(), rng)
     conn = KVConnector(src, DiskStore(tmp_path))
     tokens = rng.integers(0, 1000, 32)
     src_slots, dst_slots = np.arange(16, 48), np.arange(48, 80)
     assert conn.store(src, tokens, src_slots) == 2
-    before, src_raw = _raw(dst), _raw(src)
+    before, src_raw = raw_bits(dst), raw_bits(src)
     dst, n = conn.load(dst, tokens, dst_slots)
     assert n == 32
-    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots, dst_slots, 16))
+    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots, dst_slots, 16))
     # The dequantised keys read back through the pool API agree as well.
     for layer in range(2):
         np.testing.assert_array_equal(
@@ -379,19 +246,19 @@ def test_jaxkv_and_disk_roundtrip_nsa_index_bytes_with_scales(tmp_path):
 def test_k_only_pools_export_and_reload(backend):
     """K-only pools have `k_buffer` and no `v_buffer`; a connector assuming both would crash."""
     rng = np.random.default_rng(5)
-    pool = _fill(_make_pool("k_only", size=32, page_size=1), rng)
+    pool = fill_random_bits(connector_pool("k_only", size=32, page_size=1), rng)
     assert not hasattr(pool, "v_buffer")
     conn = KVConnector(pool, HostStore(1 << 20))
     slots = np.arange(1, 17)
     exported = conn.export_blocks(pool, slots)
     assert set(exported) == {"k"}
-    obj = _foreign("k_only", _raw(pool), jnp.bfloat16, 1, backend)
+    obj = _foreign("k_only", raw_bits(pool), jnp.bfloat16, 1, backend)
     obj_conn = KVConnector(obj, HostStore(1 << 20))
     np.testing.assert_array_equal(obj_conn.export_blocks(obj, slots)["k"], exported["k"])
     tokens = np.arange(16)
     assert obj_conn.store(obj, tokens, slots) == 1
-    fresh = _make_pool("k_only", size=32, page_size=1)
-    fresh_obj = _foreign("k_only", _raw(fresh), jnp.bfloat16, 1, backend)
+    fresh = connector_pool("k_only", size=32, page_size=1)
+    fresh_obj = _foreign("k_only", raw_bits(fresh), jnp.bfloat16, 1, backend)
     fresh_obj, n = obj_conn.load(fresh_obj, tokens, slots[::-1])
     assert n == 16
     np.testing.assert_array_equal(
@@ -419,7 +286,7 @@ def test_unsupported_object_raises_attribute_error_naming_the_layouts():
 
 @pytest.mark.parametrize("page_size,want", ((1, 16), (4, 4), (16, 16), (32, 32)))
 def test_block_size_defaults_to_page_size_above_one_else_16(page_size, want):
-    pool = _make_pool("mha", size=64, page_size=page_size)
+    pool = connector_pool("mha", size=64, page_size=page_size)
     assert KVConnector(pool, HostStore(1 << 20)).block_size == want
 
 
@@ -427,14 +294,14 @@ def test_block_size_defaults_to_page_size_above_one_else_16(page_size, want):
     "page_size,block_size", ((4, 6), (4, 2), (16, 8), (1, 0), (4, 0), (4, -4), (1, -16))
 )
 def test_block_size_must_be_a_positive_multiple_of_the_page_size(page_size, block_size):
-    pool = _make_pool("mha", size=64, page_size=page_size)
+    pool = connector_pool("mha", size=64, page_size=page_size)
     with pytest.raises(ValueError, match="block_size"):
         KVConnector(pool, HostStore(1 << 20), block_size=block_size)
 
 
 @pytest.mark.parametrize("page_size,block_size", ((1, 1), (1, 5), (4, 12), (16, 32)))
 def test_block_size_accepts_positive_multiples(page_size, block_size):
-    pool = _make_pool("mha", size=64, page_size=page_size)
+    pool = connector_pool("mha", size=64, page_size=page_size)
     assert KVConnector(pool, HostStore(1 << 20), block_size=block_size).block_size == block_size
 
 
@@ -454,20 +321,20 @@ _EXPORT_ATTR = {"k": "k_buffer", "v": "v_buffer", "kv": "kv_buffer", "index_k": 
 @pytest.mark.parametrize(
     "dtype", (jnp.float32, jnp.bfloat16, jnp.float8_e5m2), ids=lambda d: np.dtype(d).name
 )
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CONNECTOR_KINDS)
 def test_export_blocks_shapes_dtypes_and_values(kind, dtype):
     rng = np.random.default_rng(6)
-    pool = _fill(
-        _make_pool(kind, size=64, page_size=4, dtype=dtype, layer_num=3, start_layer=1), rng
+    pool = fill_random_bits(
+        connector_pool(kind, size=64, page_size=4, dtype=dtype, layer_num=3, start_layer=1), rng
     )
     conn = KVConnector(pool, HostStore(1 << 20), block_size=8)
-    slots = _slots(rng, size=64, page_size=4, n=24)
+    slots = scattered_slots(rng, size=64, page_size=4, n=24)
     exported = conn.export_blocks(pool, slots)
     assert set(exported) == set(_ROW_SHAPES[kind])
     row_shapes = dict(_ROW_SHAPES[kind])
     if kind == "nsa":
-        row_shapes["kv"] = _nsa_kv_row(dtype)  # packed fp8 rows for fp8 pools
-    raw = _raw(pool)
+        row_shapes["kv"] = nsa_kv_row(dtype)  # packed fp8 rows for fp8 pools
+    raw = raw_bits(pool)
     for key, arr in exported.items():
         assert isinstance(arr, np.ndarray)
         want_dtype = np.uint8 if key == "index_k" else pool.store_dtype
@@ -475,21 +342,21 @@ def test_export_blocks_shapes_dtypes_and_values(kind, dtype):
         assert arr.dtype == want_dtype
         attr = _EXPORT_ATTR[key]
         for layer in range(3):
-            rows = _token_rows(attr, raw[attr][layer], slots, 4).reshape(3, 8, *arr.shape[3:])
+            rows = token_rows(attr, raw[attr][layer], slots, 4).reshape(3, 8, *arr.shape[3:])
             np.testing.assert_array_equal(
                 arr[:, layer].view(rows.dtype), rows, err_msg=f"{key} layer {layer}"
             )
 
 
 def test_export_blocks_of_zero_blocks():
-    pool = _make_pool("mha", size=32, page_size=1)
+    pool = connector_pool("mha", size=32, page_size=1)
     exported = KVConnector(pool, HostStore(1 << 20)).export_blocks(pool, np.zeros(0, np.int32))
     chex.assert_shape(exported["k"], (0, 2, 16, 2, 4))
 
 
 @pytest.mark.parametrize("n", (1, 7, 15, 17, 40))
 def test_export_blocks_rejects_partial_blocks(n):
-    pool = _make_pool("mha", size=64, page_size=1)
+    pool = connector_pool("mha", size=64, page_size=1)
     conn = KVConnector(pool, HostStore(1 << 20))
     with pytest.raises(ValueError, match="block_size"):
         conn.export_blocks(pool, np.arange(1, n + 1))
@@ -499,7 +366,7 @@ def test_export_keeps_no_reference_to_live_buffers():
     """A live DLPack export of a pool buffer would turn the next donated update into a copy
     (a new pointer); the connector exports a staging array instead, so after an export the
     update stays in place and the export keeps its old values."""
-    pool = _make_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
+    pool = connector_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
     conn = KVConnector(pool, HostStore(1 << 20))
     slots = np.arange(1, 17)
     ones = jnp.ones((16, 2, 4), jnp.bfloat16)
@@ -536,7 +403,7 @@ def test_cpu_stores_copy_runs_of_blocks_on_the_host_bit_exact(monkeypatch, tmp_p
     monkeypatch.setattr(_transfers, "gather_layers_jit", no_device_gather)
     if tier == "host":
         monkeypatch.setattr(stores_module, "_copy_into", None)  # a store-side copy would raise
-    pool = _make_pool("mha", size=256, page_size=4, dtype=dtype, layer_num=3)
+    pool = connector_pool("mha", size=256, page_size=4, dtype=dtype, layer_num=3)
     rng = np.random.default_rng(11)
     slots = np.concatenate([np.arange(8, 40), np.arange(100, 116), np.arange(60, 76)])
     bits = np.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
@@ -570,7 +437,7 @@ def test_a_load_never_makes_a_jitted_step_compile_again(monkeypatch, pinned):
     committed from `create` on, so a load (whose staging is committed) leaves every jitted step
     holding the pool with the one program it had (a recompile would stall a later request).
     The pinned path is the accelerator's, run on CPU."""
-    pool = _make_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
+    pool = connector_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
     assert all(b.committed for b in pool.k_buffer + pool.v_buffer)
     ones = jnp.ones((32, 2, 4), jnp.bfloat16)
 
@@ -598,7 +465,7 @@ def test_a_load_never_makes_a_jitted_step_compile_again(monkeypatch, pinned):
 def test_a_live_export_of_the_buffer_itself_makes_the_update_copy():
     """Control for the test above: its pointer check can fail. A live numpy export of the pool
     buffer itself turns the next donated update into a copy (a new pointer)."""
-    pool = _make_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
+    pool = connector_pool("mha", size=64, page_size=1, dtype=jnp.bfloat16)
     slots = np.arange(1, 17)
     ones = jnp.ones((16, 2, 4), jnp.bfloat16)
     live = np.from_dlpack(pool.k_buffer[0])
@@ -617,7 +484,7 @@ def test_a_live_export_of_the_buffer_itself_makes_the_update_copy():
 def mha():
     """A filled token pool, a HostStore connector on it, 4 blocks of token ids and slots."""
     rng = np.random.default_rng(7)
-    pool = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    pool = fill_random_bits(connector_pool("mha", size=128, page_size=1), rng)
     store = HostStore(1 << 24)
     conn = KVConnector(pool, store)
     tokens = rng.integers(0, 30_000, 64)
@@ -645,31 +512,31 @@ def test_lookup_counts_whole_leading_blocks(mha):
 
 def test_lookup_stops_at_the_first_gap(tmp_path):
     rng = np.random.default_rng(8)
-    pool = _fill(_make_pool("mha", size=64, page_size=1), rng)
+    pool = fill_random_bits(connector_pool("mha", size=64, page_size=1), rng)
     store = DiskStore(tmp_path)
     conn = KVConnector(pool, store)
     tokens, slots = rng.integers(0, 9999, 64), np.arange(1, 65)
     assert conn.store(pool, tokens, slots) == 4
     os.unlink(_record_path(tmp_path, conn.block_hashes(tokens)[1]))
     assert conn.lookup(tokens) == 16
-    dst = _make_pool("mha", size=64, page_size=1)
-    before = _raw(dst)
+    dst = connector_pool("mha", size=64, page_size=1)
+    before = raw_bits(dst)
     dst, n = conn.load(dst, tokens, slots)
     assert n == 16
-    _assert_raw_equal(_raw(dst), _model_load(before, _raw(pool), slots[:16], slots[:16], 1))
+    assert_raw_equal(raw_bits(dst), model_load(before, raw_bits(pool), slots[:16], slots[:16], 1))
 
 
 def test_lookup_changes_no_data(mha):
     pool, store, conn, tokens, slots = mha
     conn.store(pool, tokens, slots)
     held = {k: v for k, v in store.stats().items() if k in ("blocks", "bytes", "blocks_stored")}
-    raw = _raw(pool)
+    raw = raw_bits(pool)
     for _ in range(3):
         assert conn.lookup(tokens) == 64
         assert conn.lookup(tokens[::-1]) == 0
     after = store.stats()
     assert {k: after[k] for k in held} == held
-    _assert_raw_equal(_raw(pool), raw)
+    assert_raw_equal(raw_bits(pool), raw)
 
 
 def test_store_returns_newly_written_blocks_and_skips_present_ones(mha):
@@ -693,7 +560,7 @@ def test_skipped_blocks_keep_the_first_data_written(mha):
     first = conn.export_blocks(pool, slots[:16])
     other = slots[16:32]
     assert conn.store(pool, tokens[:16], other) == 0
-    dst = _make_pool("mha", size=128, page_size=1)
+    dst = connector_pool("mha", size=128, page_size=1)
     dst, n = conn.load(dst, tokens[:16], slots[:16])
     assert n == 16
     chex.assert_trees_all_equal(conn.export_blocks(dst, slots[:16]), first)
@@ -703,28 +570,32 @@ def test_load_returns_the_longest_prefix_and_leaves_other_rows(mha):
     pool, store, conn, tokens, slots = mha
     conn.store(pool, tokens[:32], slots[:32])
     rng = np.random.default_rng(9)
-    dst = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    dst = fill_random_bits(connector_pool("mha", size=128, page_size=1), rng)
     dst_slots = rng.permutation(np.arange(1, 129))[:64]
-    before = _raw(dst)
+    before = raw_bits(dst)
     dst, n = conn.load(dst, tokens, dst_slots)
     assert n == 32
-    _assert_raw_equal(_raw(dst), _model_load(before, _raw(pool), slots[:32], dst_slots[:32], 1))
+    assert_raw_equal(
+        raw_bits(dst), model_load(before, raw_bits(pool), slots[:32], dst_slots[:32], 1)
+    )
     # Diverging after the first block: only that block is a hit.
     other = tokens.copy()
     other[16:] = rng.integers(30_000, 40_000, 48)
-    before = _raw(dst)
+    before = raw_bits(dst)
     dst, n = conn.load(dst, other, dst_slots)
     assert n == 16
-    _assert_raw_equal(_raw(dst), _model_load(before, _raw(pool), slots[:16], dst_slots[:16], 1))
+    assert_raw_equal(
+        raw_bits(dst), model_load(before, raw_bits(pool), slots[:16], dst_slots[:16], 1)
+    )
 
 
 def test_load_with_nothing_stored_is_a_no_op(mha):
     pool, store, conn, tokens, slots = mha
-    dst = _fill(_make_pool("mha", size=128, page_size=1), np.random.default_rng(10))
-    before = _raw(dst)
+    dst = fill_random_bits(connector_pool("mha", size=128, page_size=1), np.random.default_rng(10))
+    before = raw_bits(dst)
     dst, n = conn.load(dst, tokens, slots)
     assert n == 0
-    _assert_raw_equal(_raw(dst), before)
+    assert_raw_equal(raw_bits(dst), before)
 
 
 @pytest.mark.parametrize("method", ("store", "load"))
@@ -743,10 +614,10 @@ def test_salt_isolates_tenants(mha):
     assert conn.lookup(tokens, salt="a") == 64
     for other in ("b", None, "", b"b"):
         assert conn.lookup(tokens, salt=other) == 0
-        dst = _make_pool("mha", size=128, page_size=1)
+        dst = connector_pool("mha", size=128, page_size=1)
         assert conn.load(dst, tokens, slots, salt=other)[1] == 0
     assert conn.store(pool, tokens, slots, salt="b") == 4  # a separate copy for tenant b
-    dst = _make_pool("mha", size=128, page_size=1)
+    dst = connector_pool("mha", size=128, page_size=1)
     assert conn.load(dst, tokens, slots, salt="a")[1] == 64
 
 
@@ -764,7 +635,7 @@ def test_interleaved_tenants_hash_each_prompt_once(mha, monkeypatch):
     assert len(chains) == 2
     for salt in ("a", "b", "a", "b"):
         assert conn.lookup(tokens, salt=salt) == 64
-        dst = _make_pool("mha", size=128, page_size=1)
+        dst = connector_pool("mha", size=128, page_size=1)
         assert conn.load(dst, tokens[:32], slots[:32], salt=salt)[1] == 32
     assert len(chains) == 2, "each salt's chain was kept across the other's requests"
 
@@ -773,7 +644,7 @@ def test_load_rejects_records_of_other_blocks():
     """A store that does not verify (a HostStore holding a record under another block's key)
     still never gets its data loaded: the connector checks each record's tokens."""
     rng = np.random.default_rng(11)
-    pool = _fill(_make_pool("mha", size=64, page_size=1), rng)
+    pool = fill_random_bits(connector_pool("mha", size=64, page_size=1), rng)
     store = HostStore(1 << 24)
     conn = KVConnector(pool, store)
     a, b = rng.integers(0, 999, 32), rng.integers(1000, 1999, 32)
@@ -783,17 +654,17 @@ def test_load_rejects_records_of_other_blocks():
     record = store.get(key_a0)
     store.put(dataclasses.replace(record, key=key_b0))
     assert conn.lookup(b) == 16  # present by key...
-    dst = _make_pool("mha", size=64, page_size=1)
-    before = _raw(dst)
+    dst = connector_pool("mha", size=64, page_size=1)
+    before = raw_bits(dst)
     dst, n = conn.load(dst, b, np.arange(1, 33))
     assert n == 0  # ...but never loaded
-    _assert_raw_equal(_raw(dst), before)
+    assert_raw_equal(raw_bits(dst), before)
     assert conn.stats()["verification_failures"] == 1
 
 
 def test_load_rejects_a_pool_of_another_layout(mha):
     pool, store, conn, tokens, slots = mha
-    other = _make_pool("mha", size=128, page_size=1, dtype=jnp.float16)
+    other = connector_pool("mha", size=128, page_size=1, dtype=jnp.float16)
     with pytest.raises(ValueError, match="pool"):
         conn.load(other, tokens, slots)
     with pytest.raises(ValueError, match="pool"):
@@ -858,7 +729,7 @@ def test_connector_stats(mha):
     pool, store, conn, tokens, slots = mha
     conn.store(pool, tokens[:48], slots[:48])
     conn.lookup(tokens)
-    dst = _make_pool("mha", size=128, page_size=1)
+    dst = connector_pool("mha", size=128, page_size=1)
     dst, n = conn.load(dst, tokens, slots)
     st = conn.stats()
     block_bytes = 2 * 16 * 2 * (4 + 3) * 2  # layers * tokens * heads * (k + v dims) * 2 bytes
@@ -904,21 +775,21 @@ def pinned(monkeypatch):
 
 
 @pytest.mark.parametrize("page_size,block_size", ((1, 16), (4, 8)))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", CONNECTOR_KINDS)
 def test_pinned_store_keeps_the_transfer_output_and_load_sends_it_back(
     pinned, kind, page_size, block_size
 ):
     rng = np.random.default_rng(20)
 
     def make():
-        return _make_pool(kind, size=64, page_size=page_size)
+        return connector_pool(kind, size=64, page_size=page_size)
 
-    src, dst = _fill(make(), rng), _fill(make(), rng)
+    src, dst = fill_random_bits(make(), rng), fill_random_bits(make(), rng)
     store = HostStore(1 << 20, preallocate_bytes=0)
     conn = KVConnector(src, store, block_size=block_size)
     tokens = rng.integers(0, 50_000, 32)
-    src_slots = _slots(rng, size=64, page_size=page_size, n=32)
-    dst_slots = _slots(rng, size=64, page_size=page_size, n=32)
+    src_slots = scattered_slots(rng, size=64, page_size=page_size, n=32)
+    dst_slots = scattered_slots(rng, size=64, page_size=page_size, n=32)
     assert conn.store(src, tokens, src_slots) == 32 // block_size
     records = [store.get(k) for k in conn.block_hashes(tokens)]
     segment = records[0].source[0]
@@ -930,31 +801,31 @@ def test_pinned_store_keeps_the_transfer_output_and_load_sends_it_back(
             assert part.ctypes.data == segment.host[name][j].ctypes.data
             assert not part.flags.writeable
     assert store.memory_bytes == segment.nbytes  # kept whole, no arena, no copy
-    before, src_raw = _raw(dst), _raw(src)
+    before, src_raw = raw_bits(dst), raw_bits(src)
     dst, n = conn.load(dst, tokens, dst_slots)
     assert n == 32 and len(pinned) == 1  # one segment, sent back whole
-    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots, dst_slots, page_size))
+    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots, dst_slots, page_size))
 
 
 def test_pinned_load_of_a_few_blocks_stages_them_in_pinned_memory(pinned):
     rng = np.random.default_rng(21)
-    src = _fill(_make_pool("mha", size=256, page_size=1), rng)
-    dst = _fill(_make_pool("mha", size=256, page_size=1), rng)
+    src = fill_random_bits(connector_pool("mha", size=256, page_size=1), rng)
+    dst = fill_random_bits(connector_pool("mha", size=256, page_size=1), rng)
     conn = KVConnector(src, HostStore(1 << 22))
     tokens = rng.integers(0, 50_000, 256)
     src_slots, dst_slots = np.arange(1, 257), rng.permutation(np.arange(1, 257))
     assert conn.store(src, tokens, src_slots) == 16  # one segment of 16 blocks
-    src_raw = _raw(src)
-    before = _raw(dst)
+    src_raw = raw_bits(src)
+    before = raw_bits(dst)
     dst, n = conn.load(dst, tokens[:16], dst_slots[:16])  # 1 block of 16: below the 1/8 share
     assert n == 16 and pinned == []
     assert "pinned" in conn.transfer_path.staging.idle_kinds(), "went through pinned staging"
-    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots[:16], dst_slots[:16], 1))
-    before = _raw(dst)
+    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots[:16], dst_slots[:16], 1))
+    before = raw_bits(dst)
     dst, n = conn.load(dst, tokens[:64], dst_slots[:64])  # 4 of 16 blocks: the segment, whole
     assert n == 64 and len(pinned) == 1
     np.testing.assert_array_equal(pinned[0], np.arange(4))
-    _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots[:64], dst_slots[:64], 1))
+    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots[:64], dst_slots[:64], 1))
 
 
 def test_pinned_load_waits_for_the_device_only_when_host_staging_is_reused(pinned, monkeypatch):
@@ -965,40 +836,40 @@ def test_pinned_load_waits_for_the_device_only_when_host_staging_is_reused(pinne
     wait = jax.block_until_ready
     monkeypatch.setattr(jax, "block_until_ready", lambda x: waits.append(1) or wait(x))
     rng = np.random.default_rng(24)
-    src = _fill(_make_pool("mha", size=256, page_size=1), rng)
+    src = fill_random_bits(connector_pool("mha", size=256, page_size=1), rng)
     conn = KVConnector(src, HostStore(1 << 22))
     tokens = rng.integers(0, 50_000, 256)
     slots = np.arange(1, 257)
     assert conn.store(src, tokens, slots) == 16
-    src_raw = _raw(src)
+    src_raw = raw_bits(src)
     for n_tokens, segments, waited in ((256, 1, False), (16, 1, True)):
-        dst = _fill(_make_pool("mha", size=256, page_size=1), rng)
-        before, waits[:] = _raw(dst), []
+        dst = fill_random_bits(connector_pool("mha", size=256, page_size=1), rng)
+        before, waits[:] = raw_bits(dst), []
         dst, n = conn.load(dst, tokens[:n_tokens], slots[:n_tokens])
         assert n == n_tokens and len(pinned) == segments and bool(waits) == waited
-        want = _model_load(before, src_raw, slots[:n_tokens], slots[:n_tokens], 1)
-        _assert_raw_equal(_raw(dst), want)
+        want = model_load(before, src_raw, slots[:n_tokens], slots[:n_tokens], 1)
+        assert_raw_equal(raw_bits(dst), want)
 
 
 def test_pinned_load_spanning_segments_and_disk_records(pinned, tmp_path):
     """A prefix stored by two calls (two segments) loads bit-exact; so do records from disk,
     which carry no segment and go through pinned staging."""
     rng = np.random.default_rng(22)
-    src = _fill(_make_pool("nsa", size=128, page_size=16), rng)
+    src = fill_random_bits(connector_pool("nsa", size=128, page_size=16), rng)
     tokens = rng.integers(0, 50_000, 64)
     src_slots = np.arange(16, 80)
     for store in (HostStore(1 << 22), DiskStore(tmp_path)):
-        dst = _fill(_make_pool("nsa", size=128, page_size=16), rng)
+        dst = fill_random_bits(connector_pool("nsa", size=128, page_size=16), rng)
         conn = KVConnector(src, store)
         assert conn.store(src, tokens[:32], src_slots[:32]) == 2
         assert conn.store(src, tokens, src_slots) == 2  # blocks 2 and 3: a second segment
         calls = len(pinned)
         dst_slots = np.concatenate([p * 16 + np.arange(16) for p in (7, 2, 5, 1)])
-        before, src_raw = _raw(dst), _raw(src)
+        before, src_raw = raw_bits(dst), raw_bits(src)
         dst, n = conn.load(dst, tokens, dst_slots)
         assert n == 64
         assert len(pinned) - calls == (2 if isinstance(store, HostStore) else 0)
-        _assert_raw_equal(_raw(dst), _model_load(before, src_raw, src_slots, dst_slots, 16))
+        assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots, dst_slots, 16))
 
 
 def test_a_pinned_load_of_segments_and_other_records_is_one_write(pinned, monkeypatch):
@@ -1007,7 +878,7 @@ def test_a_pinned_load_of_segments_and_other_records_is_one_write(pinned, monkey
     from jaxkv.connector import _transfers
 
     rng = np.random.default_rng(23)
-    src = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    src = fill_random_bits(connector_pool("mha", size=128, page_size=1), rng)
     store = HostStore(1 << 22)
     conn = KVConnector(src, store, block_size=16)
     tokens = rng.integers(0, 50_000, 48)
@@ -1015,8 +886,8 @@ def test_a_pinned_load_of_segments_and_other_records_is_one_write(pinned, monkey
     assert conn.store(src, tokens[:32], np.arange(1, 33)) == 1  # segment 2
     plain = KVConnector(src, store, block_size=16, transfer="gather")  # a copied record
     assert plain.store(src, tokens, np.arange(1, 49)) == 1
-    dst = _fill(_make_pool("mha", size=128, page_size=1), rng)
-    before = _raw(dst)
+    dst = fill_random_bits(connector_pool("mha", size=128, page_size=1), rng)
+    before = raw_bits(dst)
     real = _transfers.as_one_array
 
     def failing(arrays):
@@ -1026,14 +897,14 @@ def test_a_pinned_load_of_segments_and_other_records_is_one_write(pinned, monkey
     with pytest.raises(MemoryError):
         conn.load(dst, tokens, np.arange(60, 108))
     assert not dst.consumed  # the segments were staged, but nothing was written
-    _assert_raw_equal(_raw(dst), before)
+    assert_raw_equal(raw_bits(dst), before)
     del pinned[:]
     monkeypatch.setattr(_transfers, "as_one_array", real)
-    src_raw = _raw(src)
+    src_raw = raw_bits(src)
     dst, n = conn.load(dst, tokens, np.arange(60, 108))
     assert n == 48 and len(pinned) == 2
-    want = _model_load(before, src_raw, np.arange(1, 49), np.arange(60, 108), 1)
-    _assert_raw_equal(_raw(dst), want)
+    want = model_load(before, src_raw, np.arange(1, 49), np.arange(60, 108), 1)
+    assert_raw_equal(raw_bits(dst), want)
 
 
 @pytest.mark.parametrize("kind", ("mha", "nsa"))
@@ -1041,12 +912,14 @@ def test_pinned_roundtrip_sglang_shaped_jax_buffers(pinned, kind):
     rng = np.random.default_rng(23)
 
     def make():
-        return _raw(_fill(_make_pool(kind, size=64, page_size=4, dtype=jnp.bfloat16), rng))
+        return raw_bits(
+            fill_random_bits(connector_pool(kind, size=64, page_size=4, dtype=jnp.bfloat16), rng)
+        )
 
     src = _foreign(kind, make(), jnp.bfloat16, 4, "jax")
     dst = _foreign(kind, make(), jnp.bfloat16, 4, "jax")
     conn = KVConnector(src, HostStore(1 << 20))
-    out = _roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=14)
+    out = roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=14)
     assert out is dst and len(pinned) == 1
 
 
@@ -1077,7 +950,7 @@ def test_example_offload_reload_runs():
 
 def test_connector_stats_count_block_hits_misses_and_the_stores_failures(tmp_path):
     rng = np.random.default_rng(12)
-    pool = _fill(_make_pool("mha", size=128, page_size=1), rng)
+    pool = fill_random_bits(connector_pool("mha", size=128, page_size=1), rng)
     store = DiskStore(tmp_path / "blocks", capacity_bytes=None)
     conn = KVConnector(pool, store)
     tokens = rng.integers(0, 999, 64)
@@ -1092,7 +965,7 @@ def test_connector_stats_count_block_hits_misses_and_the_stores_failures(tmp_pat
     raw = bytearray(path.read_bytes())
     raw[-10] ^= 0xFF
     path.write_bytes(bytes(raw))
-    dst = _make_pool("mha", size=128, page_size=1)
+    dst = connector_pool("mha", size=128, page_size=1)
     dst, n = conn.load(dst, tokens, np.arange(40, 104))
     assert n == 16
     st = conn.stats()

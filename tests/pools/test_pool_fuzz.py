@@ -6,7 +6,7 @@ huge, negative or of every integer type; layer ids out of range or of the wrong 
 the wrong rank, width, length or type, with NaN and inf inside; scales that are zero, negative,
 non-finite, text or arrays. The call must either
 
-* return the right result (the numpy model of the pool: stored rows written with conftest's
+* return the right result (the numpy model of the pool: stored rows written with helpers.py's
   reference encoders, out-of-range slots dropped), and, if it donated, leave the input pool
   consumed; or
 * raise `ValueError`, `TypeError` or `IndexError` whose message names the spoiled argument, with
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     ALL_DTYPES,
     SETTERS,
     decode_ref,

@@ -10,20 +10,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+import _disk_worker as worker
 import numpy as np
 import pytest
+from helpers import REPO
 
 from jaxkv.connector import DiskStore
 from jaxkv.connector.disk import RESCAN_SHARE
 
-sys.path.insert(0, str(Path(__file__).parent))
-import _disk_worker as worker  # noqa: E402
-
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL and fork semantics")
 
-WORKER = str(Path(__file__).with_name("_disk_worker.py"))
+WORKER = str(REPO / "tests" / "_disk_worker.py")
 
 
 def _spawn(folder, capacity, first, count, nbytes, puts) -> subprocess.Popen:

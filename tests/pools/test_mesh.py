@@ -7,13 +7,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
-from conftest import REPO, python_env
+from helpers import REPO, python_env
 from mesh_checks import pool_sized_collectives
 
-SCRIPT = str(Path(__file__).parent / "mesh_checks.py")
+SCRIPT = str(REPO / "tests" / "mesh_checks.py")
 
 
 def _start(*args: str) -> subprocess.Popen:

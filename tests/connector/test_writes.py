@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import raw_rows
+from helpers import raw_rows
 
 import jaxkv
 from jaxkv import testing

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import flush_subnormals, same_bits
+from helpers import flush_subnormals, same_bits
 
 from jaxkv import _dtypes
 

@@ -23,9 +23,16 @@ import uuid
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, run_python
+from helpers import (
+    CONNECTOR_KINDS,
+    REPO,
+    connector_pool,
+    fill_random_bits,
+    random_connector_pool,
+    roundtrip,
+    run_python,
+)
 from redis_server import MISSING, LocalRedis
-from test_connector import KINDS, _fill, _make_pool, _roundtrip
 
 from jaxkv import MHAPool
 from jaxkv.connector import HostStore, KVConnector, RedisStore, TieredStore, _records
@@ -80,9 +87,7 @@ def _store(srv, **kwargs) -> RedisStore:
 
 
 def _mha(seed: int, size: int = 128) -> MHAPool:
-    return _fill(
-        _make_pool("mha", size=size, page_size=1, dtype=jnp.float32), np.random.default_rng(seed)
-    )
+    return random_connector_pool("mha", seed, size=size, page_size=1, dtype=jnp.float32)
 
 
 def _raw_rows(pool, slots) -> np.ndarray:
@@ -100,15 +105,15 @@ def _raw_rows(pool, slots) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "kind,dtype",
-    [(k, jnp.bfloat16) for k in KINDS] + [("nsa", jnp.float8_e4m3fn)],
+    [(k, jnp.bfloat16) for k in CONNECTOR_KINDS] + [("nsa", jnp.float8_e4m3fn)],
 )
 def test_roundtrip_every_pool_kind_is_bit_exact(server, kind, dtype):
     rng = np.random.default_rng(1)
-    src = _fill(_make_pool(kind, dtype=dtype, page_size=4), rng)
-    dst = _fill(_make_pool(kind, dtype=dtype, page_size=4), rng)
+    src = fill_random_bits(connector_pool(kind, dtype=dtype, page_size=4), rng)
+    dst = fill_random_bits(connector_pool(kind, dtype=dtype, page_size=4), rng)
     store = _store(server)
     conn = KVConnector(src, store)
-    _roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=3 * conn.block_size + 1)
+    roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=3 * conn.block_size + 1)
     assert store.stats()["verification_failures"] == 0
 
 
@@ -140,14 +145,16 @@ def test_two_processes_share_a_prefix(server):
     tokens = np.arange(5 * BS) + 7
     child = (
         "import sys, numpy as np; sys.path.insert(0, sys.argv[3]);"
-        "from test_redis import _mha; from jaxkv.connector import KVConnector, RedisStore;"
-        "pool = _mha(5); conn = KVConnector(pool, RedisStore(sys.argv[1], key_prefix=sys.argv[2]));"
+        "import jax.numpy as jnp; from helpers import random_connector_pool;"
+        "from jaxkv.connector import KVConnector, RedisStore;"
+        "pool = random_connector_pool('mha', 5, size=128, page_size=1, dtype=jnp.float32);"
+        " conn = KVConnector(pool, RedisStore(sys.argv[1], key_prefix=sys.argv[2]));"
         f"print(conn.store(pool, np.arange({5 * BS}) + 7, np.arange({5 * BS})))"
     )
     out = run_python("-c", child, server.url, prefix, str(REPO / "tests"), timeout=120)
     assert out.stdout.strip() == "5"
     src = _mha(5)
-    dst = _make_pool("mha", size=128, page_size=1, dtype=jnp.float32)
+    dst = connector_pool("mha", size=128, page_size=1, dtype=jnp.float32)
     conn = KVConnector(dst, RedisStore(server.url, key_prefix=prefix))
     assert conn.lookup(tokens) == 5 * BS
     dst, n = conn.load(dst, tokens, np.arange(40, 40 + 5 * BS))
@@ -333,7 +340,7 @@ def test_allkeys_lru_keeps_the_server_within_maxmemory(own_server):
             size=1024, page_size=1, dtype=jnp.float32, head_num=4, head_dim=32, layer_num=2
         )
 
-    pool, dst = _fill(make(), np.random.default_rng(9)), make()
+    pool, dst = fill_random_bits(make(), np.random.default_rng(9)), make()
     store = RedisStore(srv.url)
     conn = KVConnector(pool, store)
     for i in range(4):

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import raw_rows
-from test_stores import _assert_rows, _pool, _seq
+from helpers import assert_rows, random_mha_pool, raw_rows, token_seq
 
 from jaxkv.connector import (
     BlockRecord,
@@ -83,17 +82,17 @@ def test_needs_block_stores():
 
 
 def test_connector_on_a_stack_reloads_from_disk_after_the_host_tier_is_gone(tmp_path):
-    pool = _pool(0)
-    tokens, slots = _seq(1, blocks=3), np.arange(48)
+    pool = random_mha_pool(0)
+    tokens, slots = token_seq(1, blocks=3), np.arange(48)
     with KVConnector(pool, _stack(tmp_path)) as conn:
         assert conn.store(pool, tokens, slots) == 3
     want = raw_rows(pool, slots)
     stack = _stack(tmp_path)  # a fresh host tier, the same disk
     conn = KVConnector(pool, stack)
     assert conn.lookup(tokens) == 48
-    dst, n = conn.load(_pool(1), tokens, slots)
+    dst, n = conn.load(random_mha_pool(1), tokens, slots)
     assert n == 48 and len(stack.tiers[0]) == 3
-    _assert_rows(dst, slots, want)
+    assert_rows(dst, slots, want)
 
 
 def test_promotions_count_only_copies_a_faster_tier_stored(tmp_path):

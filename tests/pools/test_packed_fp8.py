@@ -2,7 +2,7 @@
 
 A row is `kv_lora_rank + 4 * (kv_lora_rank // 128) + 2 * qk_rope_head_dim` bytes: fp8-e4m3
 codes of the latent in tiles of 128 values, one float32 scale per tile (amax / 448), then the
-rope as bfloat16. The numpy reference (conftest `pack_latent_ref` / `unpack_latent_ref`) is
+rope as bfloat16. The numpy reference (helpers.py `pack_latent_ref` / `unpack_latent_ref`) is
 written from that description; one tile is also worked out by hand below.
 """
 
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import host, pack_latent_ref, packed_width, same_bits, unpack_latent_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -51,7 +52,7 @@ def _latent(rng, t, rank, rope, spread=4.0):
 
 
 @fp8_dtypes
-def test_deepseek_shape_packs_656_byte_rows(kv, dtype):
+def test_deepseek_shape_packs_656_byte_rows(dtype):
     pool = _pool(dtype, kv_lora_rank=512, qk_rope_head_dim=64, size=64, page_size=64, layer_num=1)
     rows = pool.size + pool.page_size
     chex.assert_shape(pool.kv_buffer[0], (rows, 1, 656))
@@ -63,8 +64,8 @@ def test_deepseek_shape_packs_656_byte_rows(kv, dtype):
     x = _latent(rng, 5, 512, 64)
     loc = np.array([3, 64, 1, 127, 70])
     pool = pool.set_kv(0, loc, x, None)
-    got = kv.host(pool.kv_buffer[0])[loc, 0]
-    np.testing.assert_array_equal(got, kv.pack_latent_ref(x[:, 0, :512], x[:, 0, 512:]))
+    got = host(pool.kv_buffer[0])[loc, 0]
+    np.testing.assert_array_equal(got, pack_latent_ref(x[:, 0, :512], x[:, 0, 512:]))
 
     # The byte ranges mean what the layout says: codes, four float32 scales, the bf16 rope.
     tiles = x[:, 0, :512].reshape(5, 4, 128)
@@ -127,16 +128,16 @@ def test_wider_dtypes_keep_plain_rows_of_any_rank(dtype):
 
 @fp8_dtypes
 @pytest.mark.parametrize("rank", [128, 256, 512])
-def test_multiples_of_128_are_accepted(kv, dtype, rank):
+def test_multiples_of_128_are_accepted(dtype, rank):
     pool = _pool(dtype, kv_lora_rank=rank, qk_rope_head_dim=64)
-    chex.assert_shape(pool.kv_buffer[0], (12, 1, kv.packed_width(rank, 64)))
+    chex.assert_shape(pool.kv_buffer[0], (12, 1, packed_width(rank, 64)))
 
 
 # ---- writes -----------------------------------------------------------------------------------
 
 
 @fp8_dtypes
-def test_zero_tile_keeps_its_signed_zeros(kv, dtype):
+def test_zero_tile_keeps_its_signed_zeros(dtype):
     pool = _pool(dtype, kv_lora_rank=256)
     x = np.zeros((1, 1, 258), np.float32)
     x[0, 0, :128:2] = -0.0
@@ -147,13 +148,13 @@ def test_zero_tile_keeps_its_signed_zeros(kv, dtype):
     np.testing.assert_array_equal(row[1:128:2], 0x00)
     assert np.ascontiguousarray(row[256:260]).view("<f4")[0] == 0.0
     read = np.asarray(pool.get_key_buffer(0))[2, 0, :128]
-    assert kv.same_bits(read, x[0, 0, :128])
-    np.testing.assert_array_equal(row, kv.pack_latent_ref(x[0, 0, :256], x[0, 0, 256:]))
+    assert same_bits(read, x[0, 0, :128])
+    np.testing.assert_array_equal(row, pack_latent_ref(x[0, 0, :256], x[0, 0, 256:]))
 
 
 @fp8_dtypes
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
-def test_finite_extremes_never_become_nan_or_inf(kv, dtype):
+def test_finite_extremes_never_become_nan_or_inf(dtype):
     pool = _pool(dtype)
     f32 = np.finfo(np.float32)
     x = np.zeros((3, 1, 130), np.float32)
@@ -171,7 +172,7 @@ def test_finite_extremes_never_become_nan_or_inf(kv, dtype):
 
 
 @fp8_dtypes
-def test_k_scale_is_not_applied_to_packed_rows(kv, dtype):
+def test_k_scale_is_not_applied_to_packed_rows(dtype):
     """SGLang's packed writer takes no scale: every tile carries its own."""
     rng = np.random.default_rng(1)
     x = _latent(rng, 3, 128, 2)
@@ -186,7 +187,7 @@ def test_k_scale_is_not_applied_to_packed_rows(kv, dtype):
 
 
 @fp8_dtypes
-def test_set_mla_kv_and_set_kv_store_the_same_rows(kv, dtype):
+def test_set_mla_kv_and_set_kv_store_the_same_rows(dtype):
     rng = np.random.default_rng(2)
     x = _latent(rng, 4, 256, 2)
     nope, rope = x[..., :256], x[..., 256:].astype(ml_dtypes.bfloat16)  # parts keep their dtypes
@@ -194,16 +195,16 @@ def test_set_mla_kv_and_set_kv_store_the_same_rows(kv, dtype):
     a = _pool(dtype, kv_lora_rank=256).set_mla_kv(1, loc, nope, rope)
     b = _pool(dtype, kv_lora_rank=256).set_kv(1, loc, np.concatenate([nope, rope], -1), None)
     chex.assert_trees_all_equal(a.kv_buffer, b.kv_buffer)
-    np.testing.assert_array_equal(kv.host(a.kv_buffer[1])[loc], kv.pack_latent_ref(nope, rope))
+    np.testing.assert_array_equal(host(a.kv_buffer[1])[loc], pack_latent_ref(nope, rope))
 
 
 @fp8_dtypes
 @pytest.mark.parametrize("setter", ["set_kv", "set_k"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_raw_packed_rows_are_stored_as_they_are(kv, dtype, setter, jitted):
+def test_raw_packed_rows_are_stored_as_they_are(dtype, setter, jitted):
     pool = _pool(dtype)
     rng = np.random.default_rng(3)
-    raw = rng.integers(0, 256, (4, 1, kv.packed_width(128, 2)), dtype=np.uint8)  # NaNs too
+    raw = rng.integers(0, 256, (4, 1, packed_width(128, 2)), dtype=np.uint8)  # NaNs too
     loc = np.array([2, 9, 3, 6])
 
     def write(pool, loc, raw):
@@ -211,33 +212,33 @@ def test_raw_packed_rows_are_stored_as_they_are(kv, dtype, setter, jitted):
         return getattr(pool, setter)(1, loc, *args, k_scale=3.0)
 
     pool = (jax.jit(write, donate_argnums=0) if jitted else write)(pool, loc, raw)
-    np.testing.assert_array_equal(kv.host(pool.kv_buffer[1])[loc], raw)
-    got = kv.host(pool.get_key_buffer(1))[loc]
-    assert kv.same_bits(got, kv.unpack_latent_ref(raw, 128))
+    np.testing.assert_array_equal(host(pool.kv_buffer[1])[loc], raw)
+    got = host(pool.get_key_buffer(1))[loc]
+    assert same_bits(got, unpack_latent_ref(raw, 128))
 
 
 @fp8_dtypes
-def test_raw_rows_of_another_width_raise_naming_cache_k(kv, dtype):
+def test_raw_rows_of_another_width_raise_naming_cache_k(dtype):
     pool = _pool(dtype)
-    width = kv.packed_width(128, 2)
-    before = kv.host(pool.kv_buffer[0])
+    width = packed_width(128, 2)
+    before = host(pool.kv_buffer[0])
     bad = np.zeros((3, 1, 130), np.uint8)  # the value width, not the packed width
     with pytest.raises(ValueError) as err:
         pool.set_k(0, np.array([1, 2, 3]), bad)
     msg = str(err.value)
     assert "cache_k" in msg and str((3, 1, width)) in msg and str((3, 1, 130)) in msg
-    np.testing.assert_array_equal(kv.host(pool.kv_buffer[0]), before)
+    np.testing.assert_array_equal(host(pool.kv_buffer[0]), before)
 
 
 @fp8_dtypes
 @pytest.mark.parametrize("raw_part", ["k_nope", "k_rope"])
-def test_set_mla_kv_rejects_raw_parts(kv, dtype, raw_part):
+def test_set_mla_kv_rejects_raw_parts(dtype, raw_part):
     pool = _pool(dtype)
     parts = {"k_nope": np.ones((2, 1, 128), np.float32), "k_rope": np.ones((2, 1, 2), np.float32)}
     parts[raw_part] = parts[raw_part].astype(np.uint8)
     with pytest.raises(ValueError, match=raw_part):
         pool.set_mla_kv(0, np.array([1, 2]), parts["k_nope"], parts["k_rope"])
-    assert not np.any(kv.host(pool.kv_buffer[0]))
+    assert not np.any(host(pool.kv_buffer[0]))
 
 
 # ---- reads ------------------------------------------------------------------------------------
@@ -245,13 +246,13 @@ def test_set_mla_kv_rejects_raw_parts(kv, dtype, raw_part):
 
 @fp8_dtypes
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_readers_dequantise_to_float32(kv, dtype, jitted):
+def test_readers_dequantise_to_float32(dtype, jitted):
     pool = _pool(dtype, kv_lora_rank=256, qk_rope_head_dim=4)
     rng = np.random.default_rng(4)
     x = _latent(rng, 3, 256, 4)
     loc = np.array([7, 1, 10])
     pool = pool.set_kv(1, loc, x, None)
-    want = kv.unpack_latent_ref(kv.host(pool.kv_buffer[1]), 256)
+    want = unpack_latent_ref(host(pool.kv_buffer[1]), 256)
 
     def reads(pool, loc):
         return (
@@ -264,13 +265,13 @@ def test_readers_dequantise_to_float32(kv, dtype, jitted):
     key, value, kv_pair, (nope, rope) = (jax.jit(reads) if jitted else reads)(pool, loc)
     chex.assert_type([key, value, nope, rope], np.float32)
     chex.assert_shape(key, (12, 1, 260))
-    assert kv.same_bits(kv.host(key), want)
-    assert kv.same_bits(kv.host(value), want[..., :256])
+    assert same_bits(host(key), want)
+    assert same_bits(host(value), want[..., :256])
     chex.assert_trees_all_equal(kv_pair, (key, value))
-    assert kv.same_bits(kv.host(nope), want[loc, :, :256])
-    assert kv.same_bits(kv.host(rope), want[loc, :, 256:])
+    assert same_bits(host(nope), want[loc, :, :256])
+    assert same_bits(host(rope), want[loc, :, 256:])
     nope, rope = pool.get_mla_kv(1, np.array([-1, 12]))  # out of range: zeros
-    assert not np.any(kv.host(nope)) and not np.any(kv.host(rope))
+    assert not np.any(host(nope)) and not np.any(host(rope))
 
 
 # ---- property: round trips through the readers, eager and jitted ------------------------------
@@ -320,12 +321,12 @@ def _jit_get_mla_kv(pool, loc):
     in_dtype=st.sampled_from(["float32", "bfloat16"]),
     dtype=st.sampled_from(FP8),
 )
-def test_round_trips_through_the_readers_match_the_reference(kv, x, mla, in_dtype, dtype):
+def test_round_trips_through_the_readers_match_the_reference(x, mla, in_dtype, dtype):
     if in_dtype == "bfloat16":  # inputs finite in their own dtype
         x = np.clip(x, -3e38, 3e38).astype(ml_dtypes.bfloat16)
     loc = np.array([3, 8, 1])
-    stored = kv.pack_latent_ref(x[..., :256], x[..., 256:])
-    want = kv.unpack_latent_ref(stored, 256)
+    stored = pack_latent_ref(x[..., :256], x[..., 256:])
+    want = unpack_latent_ref(stored, 256)
     eager = _pool(dtype, kv_lora_rank=256, layer_num=1)
     if mla:
         eager = eager.set_mla_kv(0, loc, x[..., :256], x[..., 256:])
@@ -333,11 +334,11 @@ def test_round_trips_through_the_readers_match_the_reference(kv, x, mla, in_dtyp
         eager = eager.set_kv(0, loc, x, None)
     jitted = _jit_write(_pool(dtype, kv_lora_rank=256, layer_num=1), loc, x, mla=mla)
     for pool in (eager, jitted):
-        np.testing.assert_array_equal(kv.host(pool.kv_buffer[0])[loc], stored)
-        assert kv.same_bits(kv.host(pool.get_key_buffer(0))[loc], want)
+        np.testing.assert_array_equal(host(pool.kv_buffer[0])[loc], stored)
+        assert same_bits(host(pool.get_key_buffer(0))[loc], want)
         nope, rope = _jit_get_mla_kv(pool, loc)
-        assert kv.same_bits(kv.host(nope), want[..., :256])
-        assert kv.same_bits(kv.host(rope), want[..., 256:])
+        assert same_bits(host(nope), want[..., :256])
+        assert same_bits(host(rope), want[..., 256:])
         assert np.all(np.isfinite(want)), "finite in, finite out"
 
 
@@ -345,7 +346,7 @@ def test_round_trips_through_the_readers_match_the_reference(kv, x, mla, in_dtyp
 
 
 @fp8_dtypes
-def test_connector_round_trip_into_a_host_store_is_bit_exact(kv, dtype):
+def test_connector_round_trip_into_a_host_store_is_bit_exact(dtype):
     def make():
         return _pool(
             dtype, kv_lora_rank=512, qk_rope_head_dim=64, size=128, page_size=64, layer_num=2
@@ -367,7 +368,7 @@ def test_connector_round_trip_into_a_host_store_is_bit_exact(kv, dtype):
     assert n == 64
     for layer in range(2):
         np.testing.assert_array_equal(
-            kv.host(dst.kv_buffer[layer])[128:192], kv.host(src.kv_buffer[layer])[64:128]
+            host(dst.kv_buffer[layer])[128:192], host(src.kv_buffer[layer])[64:128]
         )
         chex.assert_trees_all_equal(
             dst.get_mla_kv(layer, np.arange(128, 192)), src.get_mla_kv(layer, slots)
