@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import time
 from array import array
+from typing import Any
 
 import numpy as np
 
@@ -90,6 +91,8 @@ def _stream(n: int, prompt: int, seed: int, fixed: bool) -> list[np.ndarray]:
 class _Tree:
     """One implementation behind the five calls, with its own allocator and clock."""
 
+    name = ""
+
     def __init__(self, page: int, capacity: int):
         self.page = page
         self.alloc = TokenAllocator(capacity) if page == 1 else PagedAllocator(capacity, page)
@@ -128,6 +131,32 @@ class _Tree:
         self.answers.append(cached)
         self.alloc.free(full[matched:cached])  # the copies of what the tree held already
         self.timed("unlock", self.unlock, node)
+
+    # Each implementation's calls, in its own types.
+
+    def key(self, tokens: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def value(self, slots: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def match(self, key) -> tuple[Any, np.ndarray]:
+        raise NotImplementedError
+
+    def lock(self, node) -> None:
+        raise NotImplementedError
+
+    def unlock(self, node) -> None:
+        raise NotImplementedError
+
+    def evict(self, n: int) -> int:
+        raise NotImplementedError
+
+    def insert(self, key, value) -> int:
+        raise NotImplementedError
+
+    def total(self) -> int:
+        raise NotImplementedError
 
 
 class _Jaxkv(_Tree):
@@ -220,7 +249,7 @@ def _compare(page: int, stream: str, setting: Setting, sgl) -> dict:
     warm = 3 * cached // prompt  # enough requests to fill the tree and evict for a while
     prompts = _stream(warm + per_round * rounds, prompt, seed=11 + page, fixed=STREAMS[stream])
     trees = [_Jaxkv(page, capacity)] + ([_SGLang(page, capacity, sgl)] if sgl else [])
-    held = {t.name: collections.deque() for t in trees}
+    held: dict[str, collections.deque] = {t.name: collections.deque() for t in trees}
     for t in trees:
         t.serve(prompts[:warm], held[t.name])
         t.seconds, t.calls = dict.fromkeys(OPS, 0.0), dict.fromkeys(OPS, 0)

@@ -415,6 +415,12 @@ class Engine:
             0,
         )
 
+    @property
+    def _tree(self) -> RadixCache:
+        """The prefix cache, for the steps taken only when there is one."""
+        assert self.tree_cache is not None
+        return self.tree_cache
+
     def _new_tree(self) -> RadixCache | None:
         """An empty prefix cache over the allocator; with a store, the pages it evicts are
         stored first (`write_back`), so what leaves the device can be loaded back."""
@@ -543,7 +549,7 @@ class Engine:
             self.allocator.free(live.owned)
             live.owned = _NO_SLOTS
         while live.locks:
-            self.tree_cache.dec_lock_ref(live.locks[-1])
+            self._tree.dec_lock_ref(live.locks[-1])
             live.locks.pop()
         if live.row >= 0:
             self.req_to_token.free(live.row)
@@ -587,7 +593,7 @@ class Engine:
         the request frees its copies of those it did, and its partial last page."""
         if self.tree_cache is not None:
             n = live.seq_len
-            matched = self.tree_cache.insert(live.kv_tokens(), live.slots[:n])
+            matched = self._tree.insert(live.kv_tokens(), live.slots[:n])
             self._took(live, matched, n // self.allocator.page_size * self.allocator.page_size)
         self._release(live)
 
@@ -600,7 +606,7 @@ class Engine:
     # ---- the prefix cache ---------------------------------------------------------------
 
     def _lock(self, live: _Live, node) -> None:
-        self.tree_cache.inc_lock_ref(node)
+        self._tree.inc_lock_ref(node)
         live.locks.append(node)
 
     def _relock(self, live: _Live, node) -> None:
@@ -609,7 +615,7 @@ class Engine:
         old = list(live.locks)
         self._lock(live, node)
         for handle in old:
-            self.tree_cache.dec_lock_ref(handle)
+            self._tree.dec_lock_ref(handle)
             live.locks.remove(handle)
 
     def _match(self, live: _Live) -> None:
@@ -619,7 +625,7 @@ class Engine:
         The last prompt token is left out of the match: its logits start the generation,
         so it is always computed.
         """
-        tree = self.tree_cache
+        tree = self._tree
         head = live.req.prompt[:-1]
         match = tree.match_prefix(head)
         self._lock(live, match.node)
@@ -652,7 +658,7 @@ class Engine:
         aligned = len(prompt) // page * page
         if aligned <= live.cached:
             return
-        tree = self.tree_cache
+        tree = self._tree
         matched = tree.insert(prompt[:aligned], live.slots[:aligned])
         self._took(live, matched, aligned)
         match = tree.match_prefix(prompt[:aligned])
