@@ -49,3 +49,19 @@ def text_arg(name: str, value) -> str:
             f"({err.reason} at index {err.start})"
         ) from None
     return value
+
+
+def int_vector(name: str, values, what: str = "ints") -> np.ndarray:
+    """`values` as a 1-D numpy array of integers, as given (its own integer dtype; an empty
+    sequence included): the one check of slot and token vectors at the public boundary. Else
+    `TypeError` (ragged input, non-integer entries) or `ValueError` (not 1-D) naming `name`
+    and `what` it holds (e.g. "token ids", "slots")."""
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError) as err:  # ragged nesting and the like
+        raise TypeError(f"{name}: expected a 1-D sequence of {what}, got {err}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected shape (n,), got {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer {what}, got dtype {arr.dtype}")
+    return arr

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxkv._checks import int_arg, is_int, text_arg
+from jaxkv._checks import int_arg, int_vector, is_int, text_arg
 from jaxkv.allocators import PagedAllocator, TokenAllocator
 
 __all__ = ["RadixCache", "PrefixMatch"]
@@ -137,22 +137,9 @@ def _salt_key(salt) -> bytes | None:
     raise TypeError(f"salt: expected a str, bytes or None, got {type(salt).__name__}")
 
 
-def _int_array(name: str, values, what: str) -> np.ndarray:
-    """`values` as a 1-D numpy array of integers (an empty sequence included)."""
-    try:
-        arr = np.asarray(values)
-    except (ValueError, TypeError) as err:  # ragged nesting and the like
-        raise TypeError(f"{name}: expected a 1-D sequence of {what}, got {err}") from None
-    if arr.ndim != 1:
-        raise ValueError(f"{name}: expected shape (n,), got {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected integer {what}, got dtype {arr.dtype}")
-    return arr
-
-
 def _tokens(token_ids) -> np.ndarray:
     """Token ids as uint32 (the connector's key range), checked."""
-    arr = _int_array("token_ids", token_ids, "token ids")
+    arr = int_vector("token_ids", token_ids, "token ids")
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
         raise ValueError(f"token_ids: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
     return arr.astype(np.uint32, copy=False)
@@ -444,7 +431,7 @@ class RadixCache:
                 then).
         """
         tokens = _tokens(token_ids)
-        slot_arr = _int_array("slots", slots, "slots")
+        slot_arr = int_vector("slots", slots, "slots")
         if slot_arr.size != tokens.size:
             raise ValueError(
                 f"slots: expected one slot per token id, shape ({tokens.size},), got "

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxkv._checks import bool_arg, int_arg, is_int, text_arg
+from jaxkv._checks import bool_arg, int_arg, int_vector, is_int, text_arg
 from jaxkv.connector import _hashing, _shards
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord
@@ -388,14 +388,9 @@ class KVConnector:
         return view
 
     def _slots(self, slots, n: int, rows: int, arg: str = "slots") -> np.ndarray:
-        try:
-            arr = np.asarray(slots)
-        except (ValueError, TypeError) as err:  # ragged nesting and the like
-            raise TypeError(f"{arg}: expected a 1-D sequence of ints, got {err}") from None
-        if arr.ndim != 1 or arr.shape[0] != n:
+        arr = int_vector(arg, slots, "slots")
+        if arr.shape[0] != n:
             raise ValueError(f"{arg}: expected shape ({n},), got {arr.shape}")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise TypeError(f"{arg}: expected integer slots, got dtype {arr.dtype}")
         bad = np.flatnonzero((arr < 0) | (arr >= rows))
         if bad.size:
             i = int(bad[0])

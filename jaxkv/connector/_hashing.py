@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
-
-from jaxkv._checks import text_arg
+from jaxkv._checks import int_vector, text_arg
 
 _DOMAIN = b"jaxkv-block-v1"
 
 
 def token_bytes(token_ids) -> bytes:
     """Token ids as 4-byte little-endian words; rejects ids that do not fit."""
-    try:
-        arr = np.asarray(token_ids)
-    except (ValueError, TypeError) as err:  # ragged nesting and the like
-        raise TypeError(f"token_ids: expected a 1-D sequence of ints, got {err}") from None
-    if arr.ndim != 1:
-        raise ValueError(f"token_ids: expected shape (n,), got {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"token_ids: expected integer token ids, got dtype {arr.dtype}")
+    arr = int_vector("token_ids", token_ids, "token ids")
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
         raise ValueError(f"token_ids: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
     return arr.astype("<u4", copy=False).tobytes()
