@@ -8,16 +8,10 @@ donate the pool, and prefix reuse through `jaxkv.connector`.
 """
 
 from jaxkv.models.decoder import LOGIT_BOUNDS, Decoder, DecoderConfig
-from jaxkv.models.serving import (
-    CompiledSteps,
-    Engine,
-    Request,
-    Result,
-    bucket,
-    params_fingerprint,
-    steps_for,
-)
+from jaxkv.models.serving import Engine, Request, Result
+from jaxkv.models.steps import CompiledSteps, bucket, steps_for
 from jaxkv.models.tokenizer import ByteTokenizer
+from jaxkv.models.weights import params_fingerprint
 
 __all__ = [
     "LOGIT_BOUNDS",

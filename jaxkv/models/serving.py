@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -46,80 +45,10 @@ from jaxkv._checks import is_int
 from jaxkv.connector import BlockStore, KVConnector
 from jaxkv.errors import ConsumedPoolError
 from jaxkv.models.decoder import Decoder
+from jaxkv.models.steps import CompiledSteps, _batch_bucket, bucket, steps_for
+from jaxkv.models.weights import params_fingerprint
 
 __all__ = ["Engine", "Request", "Result", "CompiledSteps", "bucket", "params_fingerprint"]
-
-
-def bucket(n: int, *, minimum: int = 16, step: int = 256) -> int:
-    """The padded size for `n`: a power of two up to `step`, then a multiple of `step`.
-
-    Powers of two keep short shapes few; past `step` they would waste up to half the work, so
-    long shapes grow in steps instead.
-    """
-    if n <= step:
-        return max(minimum, 1 << max(0, n - 1).bit_length())
-    return -(-n // step) * step
-
-
-def params_fingerprint(params) -> str:
-    """A SHA-256 hex digest of a pytree of weights: every leaf's key path, dtype, shape and
-    raw bytes, in the pytree's canonical order (dict keys sorted).
-
-    Two sets of weights get the same fingerprint only when they are the same values, bit for
-    bit, at the same paths; so it tells KV computed with one set from KV computed with
-    another, which the model's config alone cannot (a fine-tune has its base's config).
-    Leaves on an accelerator are copied to the host one at a time and dropped once hashed, so
-    the host holds about one leaf at a time. The cost is one pass of SHA-256 over the
-    weights' bytes.
-
-    Args:
-        params: a pytree whose leaves are arrays (jax or numpy) or numbers.
-
-    Returns:
-        64 hex digits.
-
-    Raises:
-        TypeError: a leaf that is not numeric data (an object array), naming its path.
-        ValueError: a jax array this process cannot read whole (sharded across processes);
-            give the engine a `namespace` instead.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> a = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
-        >>> params_fingerprint(a) == params_fingerprint({"b": jnp.zeros(3), "w": jnp.ones((2, 3))})
-        True
-        >>> params_fingerprint(a) == params_fingerprint({**a, "w": a["w"] * 1.5})
-        False
-    """
-    digest = hashlib.sha256(b"jaxkv.models.params_fingerprint/1")
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        where = f"params{jax.tree_util.keystr(path)}"
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            raise ValueError(
-                f"{where}: expected an array this process holds whole, got one sharded across "
-                "processes; pass Engine(namespace=...) naming the weights instead"
-            )
-        host = _host_copy(leaf)
-        if host.dtype.kind not in "biufcV" or host.dtype.hasobject:
-            raise TypeError(f"{where}: expected numeric array data, got dtype {host.dtype}")
-        if host.dtype.byteorder == ">":
-            host = host.astype(host.dtype.newbyteorder("<"))
-        # Length-prefixed header: no two (path, dtype, shape) can run into each other.
-        header = repr((where, host.dtype.name, host.shape)).encode()
-        digest.update(len(header).to_bytes(8, "little") + header)
-        digest.update(np.ascontiguousarray(host).reshape(-1).view(np.uint8).data)
-    return digest.hexdigest()
-
-
-def _host_copy(leaf) -> np.ndarray:
-    """`leaf` as a numpy array, kept nowhere else. `np.asarray` of an array on an accelerator
-    caches the host copy on the array for the array's life, which over every leaf would keep
-    a host copy of the whole model; the copy is taken from a temporary (one leaf more on the
-    device for a moment), so it goes when the caller drops it. CPU arrays are read in place.
-    """
-    if isinstance(leaf, jax.Array) and any(d.platform != "cpu" for d in leaf.devices()):
-        leaf = jnp.copy(leaf)
-    return np.asarray(leaf)
 
 
 @dataclasses.dataclass
@@ -162,62 +91,6 @@ class Result:
     reused_tokens: int
     device_tokens: int = 0
     computed_tokens: int = 0
-
-
-class CompiledSteps:
-    """`Decoder.step` compiled ahead of time per shape, with the pool donated.
-
-    Compiling explicitly (rather than on first call) keeps compilation out of every timed
-    region and makes it countable: `traces` counts how often the step was traced, per kind
-    ("prefill" or "decode"), and `compile_seconds` sums the time spent compiling each shape
-    and running it once on padding.
-    """
-
-    def __init__(self, model: Decoder):
-        self.model = model
-        self.traces: collections.Counter[str] = collections.Counter()
-        self.compile_seconds = 0.0
-        self._compiled: dict = {}
-
-        def step(params, pool, table, rows, tokens, start, n_new, loc, *, ctx):
-            self.traces["decode" if tokens.shape[1] == 1 else "prefill"] += 1
-            return model.step(params, pool, table, rows, tokens, start, n_new, loc, ctx=ctx)
-
-        self._jit = jax.jit(step, donate_argnums=1, static_argnames="ctx")
-
-    def __call__(self, params, pool, table, rows, tokens, start, n_new, loc, *, ctx: int):
-        args = (params, pool, table, rows, tokens, start, n_new, loc)
-        key = (jax.tree_util.tree_structure(pool), table.shape, tokens.shape, ctx)
-        exe = self._compiled.get(key)
-        if exe is None:
-            t0 = time.perf_counter()
-            exe = self._jit.lower(*args, ctx=ctx).compile()
-            # XLA:CPU finishes setting an executable up on its first run, which would land in
-            # the first request's time. Run it once on an all-padding batch: every write goes
-            # to slot -1 and is dropped, so the donated pool comes back unchanged.
-            idle = [np.zeros_like(a) for a in (rows, tokens, start, n_new)]
-            _, pool = exe(params, pool, table, *idle, np.full_like(loc, -1))
-            jax.block_until_ready(pool)
-            self.compile_seconds += time.perf_counter() - t0
-            self._compiled[key] = exe
-        return exe(params, pool, table, rows, tokens, start, n_new, loc)
-
-    def __len__(self) -> int:
-        return len(self._compiled)
-
-    def shapes(self) -> list[tuple]:
-        """`(tokens shape (B, T), context)` of every compiled step; T == 1 is decode."""
-        return [(key[2], key[3]) for key in self._compiled]
-
-
-_STEPS: dict = {}
-
-
-def steps_for(model: Decoder) -> CompiledSteps:
-    """The process-wide `CompiledSteps` of models with `model`'s config (engines share it)."""
-    if model.cfg not in _STEPS:
-        _STEPS[model.cfg] = CompiledSteps(model)
-    return _STEPS[model.cfg]
 
 
 _NO_SLOTS = np.zeros(0, np.int64)
@@ -831,7 +704,3 @@ class Engine:
         """Waits for pending offloads and stops the connector's writer."""
         if self.connector is not None:
             self.connector.close()
-
-
-def _batch_bucket(n: int, max_batch: int) -> int:
-    return min(1 << max(0, n - 1).bit_length(), max_batch)
