@@ -134,7 +134,8 @@ class BlockStore(abc.ABC):
         self._count("io_errors")
         self._failures.note(kind, err)
         if (self.strict or _STRICT.get()) and not _TIDYING.get():
-            err.jaxkv_counted = True  # type: ignore[attr-defined]  # read back with getattr
+            # The connector reads it back (getattr) so that it does not count this again.
+            err.jaxkv_counted = True  # type: ignore[attr-defined]
             raise err
 
     def stats(self) -> dict[str, int]:
