@@ -55,6 +55,8 @@ class BufferSpec:
         value_shape: the per-token shape a setter takes when it is not `row_shape` (NSA index
             keys are written as floats and stored as fp8 bytes plus a scale), else None.
         shard: the axis a pool's `sharding` may split.
+        layers: the family's own number of buffers when it is not one per layer (DSA's
+            indexer keys, one per indexer, in sglang-jax's pools), else None.
     """
 
     attr: str
@@ -64,6 +66,7 @@ class BufferSpec:
     codec: _kernels.Codec
     value_shape: tuple[int, ...] | None = None
     shard: ShardRule = REPLICATED
+    layers: int | None = None
 
     @property
     def name(self) -> str:
@@ -113,7 +116,7 @@ class BufferDecl:
 
     key: str
     rows: Callable[[Any], Rows]
-    codec: type[_kernels.Codec] = _kernels.RowCodec
+    codec: type[_kernels.RowCodec | _kernels.IndexCodec] = _kernels.RowCodec
     shard: ShardRule = REPLICATED
     attr: str = ""
 
@@ -151,7 +154,7 @@ def buffer(
     *,
     key: str,
     rows: Callable[[Any], Rows],
-    codec: type[_kernels.Codec] = _kernels.RowCodec,
+    codec: type[_kernels.RowCodec | _kernels.IndexCodec] = _kernels.RowCodec,
     shard: ShardRule = REPLICATED,
 ) -> Any:
     """Declares a per-layer buffer field of a pool kind: a pytree data field (a tuple of

@@ -66,6 +66,9 @@ class RowCodec:
     token_major = True
     # Rows are not grouped into pages: any page size reads them alike.
     page_size: ClassVar[int | None] = None
+    # Slot `s` is row `s` of the buffer's first axis.
+    rows_are_slots: ClassVar[bool] = True
+    token_axes: ClassVar[int] = 1
 
     def buffer_shape(self, rows: int, row_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of a layer buffer holding `rows` slots of `row_shape` entries."""
@@ -78,6 +81,10 @@ class RowCodec:
         is a plain `RowCodec` whatever wrote them."""
         del rows, page_size
         return tuple(shape[1:]), RowCodec(dtype)
+
+    def as_rows(self, buf):
+        """`buf` as token rows: the buffer itself."""
+        return buf
 
     def write(self, buf: jax.Array, loc: jax.Array, values, scale) -> jax.Array:
         if isinstance(values, tuple):
@@ -109,6 +116,8 @@ class IndexCodec:
     # A slot's record is split inside its page (keys, then scales): moved token by token
     # through `flat_index`, which addresses the buffer as one contiguous run of bytes.
     token_major = False
+    rows_are_slots: ClassVar[bool] = False
+    token_axes: ClassVar[int] = 1
 
     def buffer_shape(self, rows: int, row_shape: tuple[int, ...]) -> tuple[int, ...]:
         """`(pages, page_size * (head_dim + 4))` for `rows` slots of `(head_dim + 4,)` records."""
@@ -197,7 +206,67 @@ class IndexCodec:
         return flat.reshape(buf.shape)
 
 
-Codec = RowCodec | IndexCodec
+@dataclasses.dataclass(frozen=True)
+class PagedRowCodec:
+    """Token rows kept in pages: a layer buffer `(pages, *lead, *row_shape)` whose leading axes
+    `(pages, *lead)` flatten into token rows, `page_rows = prod(lead)` rows a page, of which
+    the first `page_size` hold the page's tokens (the rest pad the page to a whole number of
+    packed rows). Slot `s` is row `(s // page_size) * page_rows + s % page_size`.
+
+    sglang-jax's fused MHA buffers `(pages, page_size, 2H // packing, packing, head_dim)` have
+    `lead = (page_size,)`; its MLA buffers `(pages, rows // packing, packing, width)` pack
+    `packing` tokens to a row, `lead = (rows // packing, packing)`. Only raw stored bits move
+    through this codec (it has no `write` of values): the connector's blocks.
+    """
+
+    page_size: int
+    lead: tuple[int, ...]
+
+    token_major = True
+
+    @property
+    def page_rows(self) -> int:
+        """Token rows a page holds in the buffer (`page_size` and its padding rows)."""
+        return int(np.prod(self.lead))
+
+    @property
+    def token_axes(self) -> int:
+        """How many leading axes of a layer buffer flatten into token rows."""
+        return 1 + len(self.lead)
+
+    @property
+    def rows_are_slots(self) -> bool:
+        """Whether slot `s` is row `s` of the flattened rows (no padding rows in a page)."""
+        return self.page_rows == self.page_size
+
+    def buffer_shape(self, rows: int, row_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Shape of a layer buffer holding `rows` slots (a multiple of `page_size`)."""
+        return (rows // self.page_size, *self.lead, *row_shape)
+
+    def row_index(self, loc, n_pages: int):
+        """Flattened row of each slot of `loc`; slots outside `[0, n_pages * page_size)` map
+        one past the last row (dropped on write, zero on read). Works on jax and numpy."""
+        xp = jnp if isinstance(loc, jax.Array) else np
+        p = self.page_size
+        rows = (loc // p) * self.page_rows + loc % p
+        return xp.where((loc >= 0) & (loc < n_pages * p), rows, n_pages * self.page_rows)
+
+    def as_rows(self, buf):
+        """`buf` with its leading axes flattened: `(pages * page_rows, *row_shape)` (a view of
+        contiguous host memory; a reshape XLA makes without a copy)."""
+        return buf.reshape(-1, *buf.shape[self.token_axes :])
+
+    def read(self, buf: jax.Array, loc: jax.Array) -> jax.Array:
+        """Stored bits of the slots at `loc`, shape `(T, *row_shape)`."""
+        return _fill_gather(self.as_rows(buf), self.row_index(loc, buf.shape[0]))
+
+    def load(self, buf: jax.Array, loc: jax.Array, bits: jax.Array) -> jax.Array:
+        """Writes stored bits (as returned by `read`) back at `loc`."""
+        rows = _drop_scatter(self.as_rows(buf), self.row_index(loc, buf.shape[0]), bits)
+        return rows.reshape(buf.shape)
+
+
+Codec = RowCodec | IndexCodec | PagedRowCodec
 
 
 def _apply(bufs, loc, values, scales, codecs):

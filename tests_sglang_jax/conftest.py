@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 from pathlib import Path
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -39,6 +40,7 @@ if str(SOURCE) not in sys.path:
     sys.path.insert(0, str(SOURCE))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # sglang-jax's CPU shim, applied by importing its mem_cache tests' conftest as a module.
@@ -56,3 +58,10 @@ def pytest_configure(config):
     ):
         raise pytest.UsageError("sglang-jax's CPU write shim is not in place")
     sgljax_pools.devices(2)  # raises, naming XLA_FLAGS, when the two CPU devices are missing
+
+
+@pytest.fixture
+def rng(request):
+    # One stream per test (named by the test), so a test's data does not depend on which
+    # others ran; crc32, not `hash`, which Python salts per process.
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -32,6 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sgl_jax.srt.utils.mesh_utils import create_device_mesh
@@ -117,6 +118,11 @@ CONFIGS = (
     _mla("bfloat16", 4, 512, 64, name="mla-bf16-p4-dsa", indexer_key_dim=64, num_indexer_layers=1),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
+
+
+def params(keep=lambda cfg: True) -> list:
+    """The configurations `keep` accepts, as pytest parameters named after them."""
+    return [pytest.param(c, id=c.name) for c in CONFIGS if keep(c)]
 
 
 def devices(n: int) -> list:
@@ -315,8 +321,9 @@ def write_indexer(pool, slot_id: int, page_ids, keys: np.ndarray) -> list[int]:
 
 
 def bits(x) -> np.ndarray:
-    """Host copy of an array as unsigned integers of its width (bit-exact comparisons)."""
-    a = np.asarray(x)
+    """Host copy of an array as unsigned integers of its width (bit-exact comparisons); a
+    copy, never a view, so it holds no pool memory a later in-place update needs."""
+    a = np.array(x)
     return a.view(f"u{a.dtype.itemsize}")
 
 

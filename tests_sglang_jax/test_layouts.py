@@ -1,5 +1,5 @@
-"""What sglang-jax's KV pools look like, checked on the pools themselves, and what jaxkv's
-connector does with them today.
+"""What sglang-jax's KV pools look like, checked on the pools themselves (test_connector.py
+moves their blocks through jaxkv's connector).
 
 For every configuration of sgljax_pools.CONFIGS:
 
@@ -9,45 +9,19 @@ For every configuration of sgljax_pools.CONFIGS:
   own write path land, bit for bit, exactly where the facts place them (slot -> page and
   offset -> token row; K and V of each head, or the latent's two segments; every padding row,
   padding column and padding page left zero);
-* test_connector_round_trip: a prefix stored through jaxkv's `KVConnector` and loaded into
-  other slots comes back bit-exact through sglang-jax's own reads, with no other entry
-  changed.
-
-The round trip fails today for every configuration (jaxkv does not read sglang-jax layouts
-yet): those tests are expected failures, and strict, so the first configuration jaxkv learns
-to serve shows up. They expect the connector to refuse (raise); a connector that accepts a
-pool and then gets the data wrong fails them outright, since that serves wrong KV.
 """
 
 from __future__ import annotations
 
-import zlib
-
-import jax
 import numpy as np
 import pytest
 import sgljax_pools as sp
 from jax.sharding import AxisType
 
-from jaxkv.connector import HostStore, KVConnector
-
-
-def configs(keep=lambda cfg: True) -> list:
-    """The configurations `keep` accepts, as parameters named after them."""
-    return [pytest.param(c, id=c.name) for c in sp.CONFIGS if keep(c)]
-
-
-@pytest.fixture
-def rng(request):
-    # One stream per test (named by the test), so a test's data does not depend on which
-    # others ran; crc32, not `hash`, which Python salts per process.
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
-
-
 # ---- the buffers as built ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", configs())
+@pytest.mark.parametrize("cfg", sp.params())
 def test_buffers(cfg):
     pool = sp.build(cfg)
     assert pool.page_size == cfg.page_size
@@ -77,7 +51,7 @@ def test_buffers(cfg):
             assert buf.sharding.spec == sp.spec(cfg)
 
 
-@pytest.mark.parametrize("cfg", configs(lambda c: c.tp > 1))
+@pytest.mark.parametrize("cfg", sp.params(lambda c: c.tp > 1))
 def test_heads_split_over_the_tensor_axis(cfg, rng):
     """Each tensor-parallel device holds whole heads, K and V together, contiguous."""
     pool = sp.build(cfg)
@@ -118,7 +92,7 @@ def _mha_expected(cfg, slots, k, v) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("cfg", configs(lambda c: c.kind == "mha" and c.writable))
+@pytest.mark.parametrize("cfg", sp.params(lambda c: c.kind == "mha" and c.writable))
 def test_mha_writes_land_where_the_layout_says(cfg, rng):
     pool = sp.build(cfg)
     # Every usable slot once, scrambled, with a padding token (-1) among them.
@@ -141,7 +115,7 @@ def test_mha_writes_land_where_the_layout_says(cfg, rng):
             np.testing.assert_array_equal(rows[sp.token_row(cfg, s)], got[sp.token_index(cfg, s)])
 
 
-@pytest.mark.parametrize("cfg", configs(lambda c: not c.writable))
+@pytest.mark.parametrize("cfg", sp.params(lambda c: not c.writable))
 def test_mha_pool_below_128_is_not_writable_by_sglang_jax(cfg, rng):
     """A pool built at a head_dim below 128 keeps it, but sglang-jax's write path pads K and V
     to 128 first, so its own writes are refused (its model runner never builds such a
@@ -161,7 +135,7 @@ def _mla_pages(cfg) -> tuple[list[int], int]:
     return pages, 2 * cfg.page_size + cfg.page_size // 2 + 1
 
 
-@pytest.mark.parametrize("cfg", configs(lambda c: c.kind == "mla"))
+@pytest.mark.parametrize("cfg", sp.params(lambda c: c.kind == "mla"))
 def test_mla_writes_land_where_the_layout_says(cfg, rng):
     pool = sp.build(cfg)
     page_ids, n = _mla_pages(cfg)
@@ -193,7 +167,7 @@ def test_mla_writes_land_where_the_layout_says(cfg, rng):
         np.testing.assert_array_equal(rows[sp.token_row(cfg, s)], got[sp.token_index(cfg, s)])
 
 
-@pytest.mark.parametrize("cfg", configs(lambda c: c.indexer_key_dim > 0))
+@pytest.mark.parametrize("cfg", sp.params(lambda c: c.indexer_key_dim > 0))
 def test_indexer_keys_land_where_the_layout_says(cfg, rng):
     """DSA's indexer keys: one paged buffer per indexer layer, tokens placed as the latent's,
     the key padded to 128 columns."""
@@ -206,72 +180,3 @@ def test_indexer_keys_land_where_the_layout_says(cfg, rng):
         want[sp.token_index(cfg, s)][: cfg.indexer_key_dim] = sp.bits(keys[t])
     np.testing.assert_array_equal(sp.bits(pool.get_indexer_key_buffer(0)), want)
     assert not any(sp.bits(b).any() for b in pool.kv_buffer)  # the latent untouched
-
-
-# ---- jaxkv's connector today ---------------------------------------------------------------
-
-
-class Refused(Exception):
-    """The connector raised for this pool (it does not serve the layout): nothing was
-    loaded, which is an honest failure, unlike data landing in the wrong rows."""
-
-
-def _fill(cfg, pool, rng) -> None:
-    """Distinct data in every usable slot of every layer (indexer keys included), written by
-    sglang-jax's own writers where it has them, so a row written in the wrong place shows."""
-    slots = list(sp.usable_slots(cfg))
-    if cfg.kind == "mha" and not cfg.writable:
-        fill = [sp.random_values(rng, sp.buffer_shape(cfg), cfg.jnp_dtype) for _ in pool.kv_buffer]
-        pool.replace_buffer([jax.device_put(b, pool.kv_sharding) for b in fill])
-        return
-    for layer in range(cfg.layer_num):
-        if cfg.kind == "mha":
-            shape = (len(slots), cfg.head_num, cfg.model_head_dim)
-            k = sp.random_values(rng, shape, cfg.jnp_dtype)
-            sp.write_mha(pool, layer, slots, k, sp.random_values(rng, shape, cfg.jnp_dtype))
-        else:
-            all_pages = list(range(1, sp.pages(cfg)))
-            kv_c = sp.random_values(rng, (len(slots), cfg.kv_lora_rank), cfg.jnp_dtype)
-            k_pe = sp.random_values(rng, (len(slots), cfg.qk_rope_head_dim), cfg.jnp_dtype)
-            sp.write_mla(pool, layer, all_pages, kv_c, k_pe)
-    for i in range(cfg.num_indexer_layers):
-        keys = sp.random_values(rng, (len(slots), cfg.indexer_key_dim), cfg.jnp_dtype)
-        sp.write_indexer(pool, i, list(range(1, sp.pages(cfg))), keys)
-
-
-def _round_trip_slots(cfg) -> tuple[list[int], list[int]]:
-    """A two-page prefix and the pages it is loaded into (one page each where the pool has only
-    two usable pages)."""
-    src, dst = sp.ROUND_TRIP_PAGES
-    if sp.pages(cfg) - 1 < len(src) + len(dst):
-        src, dst = (1,), (2,)
-    page = cfg.page_size
-    return [p * page + o for p in src for o in range(page)], [
-        p * page + o for p in dst for o in range(page)
-    ]
-
-
-@pytest.mark.xfail(strict=True, raises=Refused, reason="jaxkv does not read sglang-jax layouts yet")
-@pytest.mark.parametrize("cfg", configs())
-def test_connector_round_trip(cfg, rng):
-    pool = sp.build(cfg)
-    _fill(cfg, pool, rng)
-    before = sp.pool_bits(pool)
-    src, dst = _round_trip_slots(cfg)
-    tokens = rng.integers(0, 50_000, len(src)).tolist()
-    try:
-        conn = KVConnector(pool, HostStore(1 << 26), block_size=cfg.page_size)
-        stored = conn.store(pool, tokens, src)
-        pool, loaded = conn.load(pool, tokens, dst)
-    except Exception as err:
-        raise Refused(f"{type(err).__name__}: {err}") from err
-    assert stored == len(src) // cfg.page_size
-    assert loaded == len(src)
-    after = sp.pool_bits(pool)
-    for attr, layers in before.items():
-        for layer, (old, new) in enumerate(zip(layers, after[attr])):
-            want = old.copy()
-            for s, d in zip(src, dst):
-                want[sp.token_index(cfg, d)] = old[sp.token_index(cfg, s)]
-            wrong = np.flatnonzero((want != new).reshape(want.shape[0], -1).any(axis=1))
-            assert not wrong.size, f"{attr}[{layer}]: pages {wrong.tolist()} hold wrong data"

@@ -6,6 +6,7 @@ loaded.
 """
 
 from jaxkv.connector._connector import KVConnector, min_block_count
+from jaxkv.connector._declared import BufferLayout, PoolLayout
 from jaxkv.connector._records import BlockRecord, CorruptRecordError
 from jaxkv.connector.disk import DiskStore
 from jaxkv.connector.host import HostStore
@@ -16,6 +17,8 @@ from jaxkv.errors import UnsupportedKVCacheError
 
 __all__ = [
     "KVConnector",
+    "PoolLayout",
+    "BufferLayout",
     "HostStore",
     "DiskStore",
     "RedisStore",

@@ -28,14 +28,21 @@ def _window_dnums(row_ndim: int, gather: bool):
     )
 
 
+def _windows(codec, starts) -> bool:
+    """Whether blocks move as windows of rows: each block one run of slots, and slots the
+    buffer's (flattened) rows, so a run of slots is a run of rows."""
+    return starts is not None and codec.token_major and codec.rows_are_slots
+
+
 def _read_blocks(codec, buf, slots, starts, block_size):
     """(n_blocks, block_size, *row) bits of one layer buffer."""
-    if starts is not None and codec.token_major:
+    if _windows(codec, starts):
+        rows = codec.as_rows(buf)
         return jax.lax.gather(
-            buf,
+            rows,
             starts[:, None],
-            _window_dnums(buf.ndim - 1, True),
-            slice_sizes=(block_size, *buf.shape[1:]),
+            _window_dnums(rows.ndim - 1, True),
+            slice_sizes=(block_size, *rows.shape[1:]),
             mode="fill",
             fill_value=0,
         )
@@ -44,16 +51,18 @@ def _read_blocks(codec, buf, slots, starts, block_size):
 
 
 def _write_blocks(codec, buf, slots, starts, blocks):
-    if starts is not None and codec.token_major:
-        return jax.lax.scatter(
-            buf,
+    if _windows(codec, starts):
+        rows = codec.as_rows(buf)
+        new = jax.lax.scatter(
+            rows,
             starts[:, None],
             blocks,
-            _window_dnums(buf.ndim - 1, False),
+            _window_dnums(rows.ndim - 1, False),
             indices_are_sorted=False,
             unique_indices=False,
             mode="drop",
         )
+        return new.reshape(buf.shape)
     return codec.load(buf, slots, blocks.reshape(-1, *blocks.shape[2:]))
 
 

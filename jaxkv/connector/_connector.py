@@ -26,7 +26,9 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxkv._checks import bool_arg, int_arg, int_vector, is_int, text_arg
+from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _hashing, _shards
+from jaxkv.connector._declared import PoolLayout
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector._replies import (
@@ -77,8 +79,10 @@ class KVConnector:
     """Moves whole blocks of KV between a pool and a `BlockStore`.
 
     Args:
-        pool: a jaxkv pool, or an object with SGLang-style per-layer buffers (`kv_buffer`
-            [+ `index_k_with_scale_buffer`], `k_buffer` + `v_buffer`, or `k_buffer`).
+        pool: a jaxkv pool; sglang-jax's `MHATokenToKVPool` or `MLATokenToKVPool` (described
+            from their own attributes); an object with SGLang-style per-layer buffers
+            (`kv_buffer` [+ `index_k_with_scale_buffer`], `k_buffer` + `v_buffer`, or
+            `k_buffer`); or any pool whose buffers `layout` declares.
         store: where blocks go (`HostStore`, `DiskStore`, `RedisStore`, `TieredStore`, or any
             `BlockStore` subclass).
         block_size: tokens per block; defaults to the pool's page size when above 1, else 16;
@@ -94,6 +98,10 @@ class KVConnector:
             several devices is moved shard by shard, each under its own coordinates (see
             "Sharded pools" below).
         max_pending: `store_async` calls whose writes may be in flight at once (>= 1).
+        layout: a `PoolLayout` declaring the buffers of a pool jaxkv does not recognise
+            (paged buffers, fused K/V, a plain list of per-layer arrays); None describes
+            the pool from what it is. A pool with 4-D or 5-D buffers of an unknown class is
+            refused (`UnsupportedKVCacheError`) rather than guessed; declare its layout.
         transfer: how blocks cross between the pool and host memory: None (default) picks
             from the pool's placement ("pinned" on a device with pinned host memory, "cpu"
             for a jaxkv pool on one CPU device, else "gather"); "gather" forces the device
@@ -117,8 +125,9 @@ class KVConnector:
     each process's `lookup` and take `min_block_count`), then load that many tokens.
 
     Raises:
-        UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes, or
-            buffers jaxkv cannot move.
+        UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes, buffers
+            jaxkv cannot move, buffers not laid out as `layout` declares, or buffers whose
+            layout is ambiguous (the message says what was seen and how to declare it).
         ValueError: a `block_size` that is not a positive multiple of the page size, a
             `max_pending` that is not a positive int, or a `transfer` the pool's placement
             cannot take.
@@ -149,13 +158,22 @@ class KVConnector:
         max_pending: int = 8,
         transfer: str | None = None,
         strict: bool = False,
+        layout: PoolLayout | None = None,
     ):
         if not isinstance(store, BlockStore):
             raise TypeError(
                 "store: expected a BlockStore (HostStore, DiskStore, RedisStore, TieredStore or "
                 f"a subclass of jaxkv.connector.BlockStore), got {type(store).__name__}"
             )
-        view = view_of(pool)
+        if layout is not None and not isinstance(layout, PoolLayout):
+            raise TypeError(f"layout: expected a PoolLayout or None, got {type(layout).__name__}")
+        if layout is not None and isinstance(pool, PoolBase):
+            raise ValueError(
+                f"layout: a jaxkv pool ({type(pool).__name__}) describes its own buffers; "
+                "pass layout=None"
+            )
+        self._declared = layout
+        view = view_of(pool, layout)
         page = view.layout.page_size
         if block_size is None:
             block_size = page if page > 1 else 16
@@ -376,7 +394,7 @@ class KVConnector:
     # ---- transfers ----------------------------------------------------------------------
 
     def _view(self, pool) -> PoolView:
-        view = view_of(pool)
+        view = view_of(pool, self._declared)
         layout = dataclasses.replace(view.layout, shard=self.layout.shard)
         if layout.fingerprint(self.block_size) != self.fingerprint:
             diffs = "; ".join(self.layout.differences(layout)) or "another fingerprint"
@@ -432,7 +450,8 @@ class KVConnector:
                 f"slots: expected a multiple of block_size={self.block_size} slots, "
                 f"got shape {np.shape(slots)}"
             )
-        return gather_blocks(view, self._slots(slots, n, view.layout.rows), self.block_size)
+        slots = self._slots(slots, n, view.layout.rows)
+        return gather_blocks(_shards.GlobalView(view), slots, self.block_size)
 
     def _snapshot(self, pool, token_ids, slots, salt) -> tuple[list[BlockRecord], list[int], list]:
         """Records of the full blocks not yet stored (nor being written), copied to host; the
@@ -703,7 +722,7 @@ class KVConnector:
                 check=lambda answer: answers(answer, len(keys), is_record_or_none, "records"),
             )
         want = {
-            p.key: ((self.layout.layer_num, bs, *p.row_shape), p.bits_dtype) for p in layout.parts
+            p.key: ((layout.part_layers(p), bs, *p.row_shape), p.bits_dtype) for p in layout.parts
         }
         for i, record in enumerate(got or ()):
             if record is None:

@@ -123,7 +123,17 @@ def writable_problem(layer, codec) -> str | None:
         contiguous = layer.is_contiguous()
     if not codec.token_major and not contiguous:
         return "a non-contiguous index buffer (its pages are addressed as one flat run)"
+    if codec.token_axes > 1 and not contiguous:
+        return "a non-contiguous paged buffer (its pages are addressed as flattened token rows)"
     return None
+
+
+def _token_rows(layer, codec, slots: np.ndarray):
+    """`(rows, index)`: a `direct_view` as token rows (sharing its memory) and the row of
+    each of `slots`."""
+    if codec.token_axes == 1:
+        return layer, slots
+    return codec.as_rows(layer), codec.row_index(slots, layer.shape[0])
 
 
 def _index_positions(codec, slots: np.ndarray, n_pages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +149,8 @@ def read_rows(layer, codec, slots: np.ndarray, bits: np.dtype) -> np.ndarray:
             keys, scales = _index_positions(codec, slots, buf.shape[0])
             flat = buf.reshape(-1)
             return np.concatenate([flat[keys], flat[scales]], axis=-1)
-        return buf[slots]
+        rows, index = _token_rows(buf, codec, slots)
+        return rows[index]
     return _torch_rows(layer, codec, slots).cpu().numpy().view(bits)
 
 
@@ -153,7 +164,8 @@ def _torch_rows(layer, codec, slots: np.ndarray):
         return torch.cat(
             [flat[torch.from_numpy(keys).to(dev)], flat[torch.from_numpy(scales).to(dev)]], -1
         )
-    return layer[torch.from_numpy(slots.astype(np.int64)).to(dev)]
+    rows, index = _token_rows(layer, codec, slots)
+    return rows[torch.from_numpy(index.astype(np.int64)).to(dev)]
 
 
 def save_rows(layer, codec, slots: np.ndarray):
@@ -174,7 +186,8 @@ def write_rows(layer, codec, slots: np.ndarray, rows) -> None:
             flat = layer.reshape(-1)  # a view: writability checks require C-contiguity
             flat[keys], flat[scales] = codec.split(rows)
         else:
-            layer[slots] = rows
+            view, index = _token_rows(layer, codec, slots)
+            view[index] = rows  # a view of `layer`: writable_problem refused copies
         return
     torch = _torch()
     dev = layer.device
@@ -190,7 +203,8 @@ def write_rows(layer, codec, slots: np.ndarray, rows) -> None:
         flat[torch.from_numpy(keys).to(dev)] = key_bytes
         flat[torch.from_numpy(scales).to(dev)] = scale_bytes
     else:
-        layer[torch.from_numpy(slots.astype(np.int64)).to(dev)] = src
+        view, index = _token_rows(layer, codec, slots)
+        view[torch.from_numpy(index.astype(np.int64)).to(dev)] = src
 
 
 def read_blocks(layers: list, codec, slots: np.ndarray, block_size: int, row_shape, bits):

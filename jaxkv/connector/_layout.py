@@ -55,10 +55,16 @@ class Layout:
     shard: str = "full"
     sizes: tuple[tuple[str, int], ...] = ()
 
+    def part_layers(self, part: Part) -> int:
+        """How many buffers `part` has: one per layer, unless it has its own count."""
+        return part.layers or self.layer_num
+
     def block_nbytes(self, block_size: int) -> int:
         """Bytes of one block record's parts: every layer's rows of `block_size` tokens."""
-        rows = sum(int(np.prod(p.row_shape)) * p.bits_dtype.itemsize for p in self.parts)
-        return self.layer_num * block_size * rows
+        return block_size * sum(
+            self.part_layers(p) * int(np.prod(p.row_shape)) * p.bits_dtype.itemsize
+            for p in self.parts
+        )
 
     def fingerprint(self, block_size: int) -> str:
         """A stable hex digest of the layout and block size (never Python's salted `hash`)."""
@@ -69,7 +75,10 @@ class Layout:
             "layers": [self.start_layer, self.start_layer + self.layer_num],
             "block_size": block_size,
             "shard": self.shard,
-            "parts": [[p.key, list(p.row_shape), p.bits_dtype.name] for p in self.parts],
+            "parts": [
+                [p.key, list(p.row_shape), p.bits_dtype.name, *([p.layers] if p.layers else [])]
+                for p in self.parts
+            ],
         }
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
@@ -130,8 +139,10 @@ def _jaxkv_layout(pool: PoolBase) -> Layout:
     )
 
 
-def _layers(pool, attr: str) -> list | None:
-    layers = getattr(pool, attr, None)
+def layers_of(pool, attr: str) -> list | None:
+    """The per-layer buffers `pool` holds under `attr` (`""`: `pool` is the sequence), when
+    they are a non-empty sequence of arrays, else None."""
+    layers = getattr(pool, attr, None) if attr else pool
     if layers is None:
         return None
     try:
@@ -166,9 +177,12 @@ def logical_dtype(pool, buffers_dtype) -> str:
         ) from err
 
 
-def _check_family(name: str, attr: str, layers: list, n_layers: int, rows: int | None) -> None:
-    """Every layer of a buffer family alike: count, shape, dtype, and how jaxkv moves it."""
-    if len(layers) != n_layers:
+def check_family(
+    name: str, attr: str, layers: list, n_layers: int | None, rows: int | None = None
+) -> None:
+    """Every layer of a buffer family alike: count (`n_layers`, None: any), shape, dtype, and
+    how jaxkv moves it."""
+    if n_layers is not None and len(layers) != n_layers:
         raise _unsupported(name, f"{attr} has {len(layers)} layers, expected {n_layers}")
     first = layers[0]
     shape, dtype, kind = tuple(first.shape), _foreign.buffer_dtype(first), _foreign.kind(first)
@@ -186,12 +200,12 @@ def _check_family(name: str, attr: str, layers: list, n_layers: int, rows: int |
 
 def _foreign_layout(pool) -> Layout:
     name = type(pool).__name__
-    present = {a: layers for a in _FOREIGN_ATTRS if (layers := _layers(pool, a)) is not None}
+    present = {a: layers for a in _FOREIGN_ATTRS if (layers := layers_of(pool, a)) is not None}
     kind = next((k for k in _FOREIGN_KINDS if all(a in present for a in k.BUFFERS)), None)
     if kind is None:
         raise UnsupportedKVCacheError(_UNSUPPORTED.format(name=name))
     for attr in _SCALE_ATTRS:
-        if _layers(pool, attr) is not None:
+        if layers_of(pool, attr) is not None:
             raise _unsupported(
                 name,
                 f"its per-token scales ({attr}) are not part of jaxkv blocks; reloading the "
@@ -207,7 +221,8 @@ def _foreign_layout(pool) -> Layout:
                 name,
                 f"{decl.attr}[0] has shape {tuple(present[decl.attr][0].shape)}: a {ndim}-D "
                 "buffer is not per-token rows ((rows, D) or (rows, heads, D), as SGLang's pools "
-                "hold them); jaxkv does not guess which axes are pages and tokens",
+                "hold them); jaxkv does not guess which axes are pages and tokens: declare "
+                "them with KVConnector(pool, store, layout=PoolLayout(...))",
             )
     # Token rows are counted on the first token-major buffer (paged ones hold pages).
     main = present[next(d.attr for d in kind.DECLARED if d.codec.token_major)]
@@ -217,7 +232,7 @@ def _foreign_layout(pool) -> Layout:
     parts = []
     for decl in kind.DECLARED:
         layers = present[decl.attr]
-        _check_family(name, decl.attr, layers, len(main), rows if decl.codec.token_major else None)
+        check_family(name, decl.attr, layers, len(main), rows if decl.codec.token_major else None)
         shape = tuple(int(d) for d in layers[0].shape)
         try:
             parts.append(decl.of_layer(shape, _foreign.buffer_dtype(layers[0]), rows, page))

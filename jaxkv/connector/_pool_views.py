@@ -8,7 +8,7 @@ tensors on an accelerator) and have their jax buffers swapped otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -17,7 +17,8 @@ from jaxkv._kernels import warn_if_copied
 from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _foreign
 from jaxkv.connector._block_kernels import block_starts, scatter_donated
-from jaxkv.connector._layout import Layout, Part, describe
+from jaxkv.connector._declared import PoolLayout, recognised
+from jaxkv.connector._layout import Layout, Part, describe, layers_of
 from jaxkv.connector._staging import Staging
 from jaxkv.errors import ConsumedPoolError
 
@@ -39,17 +40,28 @@ class PoolView:
         self.pool = pool
         self.layout = layout
 
+    def buffers(self, part: Part) -> list:
+        """The part's layer buffers as the pool holds them."""
+        layers = layers_of(self.pool, part.attr)
+        assert layers is not None  # the layout was described from them
+        return layers
+
+    def replace_buffers(self, changes: Mapping[str, Sequence[jax.Array]]):
+        """The pool with the buffers of each attribute in `changes` replaced (the old ones
+        were donated); returns it."""
+        raise NotImplementedError
+
     def host_layers(self, part: Part) -> list | None:
         """The part's layer buffers when jaxkv moves them outside XLA, else None: numpy views
         of host memory, or raw-bit torch views of torch tensors on an accelerator (both are
         read with `_foreign.read_blocks` into host arrays and written in place)."""
-        views = [_foreign.direct_view(b) for b in getattr(self.pool, part.attr)]
+        views = [_foreign.direct_view(b) for b in self.buffers(part)]
         return views if all(v is not None for v in views) else None
 
     def arrays(self, parts: Sequence[Part] | None = None) -> tuple[tuple[jax.Array, ...], ...]:
         """Per part (default: all), the layer buffers as jax arrays."""
         parts = self.layout.parts if parts is None else parts
-        return tuple(tuple(_device_array(b) for b in getattr(self.pool, p.attr)) for p in parts)
+        return tuple(tuple(_device_array(b) for b in self.buffers(p)) for p in parts)
 
     def write(self, slots: np.ndarray, staging: Sequence[Staging], block_size: int):
         """Writes `staging` (one `Staging` per part) at `slots`; returns the pool.
@@ -75,7 +87,10 @@ class _JaxkvView(PoolView):
 
     def write(self, slots, staging, block_size):
         new = write_arrays(self.arrays(), self.layout.parts, slots, staging, block_size)
-        pool = self.pool.with_buffers(**{p.attr: bufs for p, bufs in zip(self.layout.parts, new)})
+        return self.replace_buffers({p.attr: bufs for p, bufs in zip(self.layout.parts, new)})
+
+    def replace_buffers(self, changes):
+        pool = self.pool.with_buffers(**changes)
         self.pool.mark_consumed()  # its buffers went to `pool`, as an eager update's do
         return pool
 
@@ -112,7 +127,7 @@ class _ForeignView(PoolView):
         name = type(self.pool).__name__
         direct = []
         for part in self.layout.parts:
-            layers = getattr(self.pool, part.attr)
+            layers = self.buffers(part)
             host = self.host_layers(part)
             direct.append(host)
             if host is not None:
@@ -142,7 +157,15 @@ class _ForeignView(PoolView):
     def _check_settable(self, attr: str, layers) -> None:
         """`TypeError` unless `attr` takes a new sequence of buffers: the functional path swaps
         it after donating the old buffers, when failing would leave deleted arrays behind. The
-        probe sets a fresh container like the one the write sets, then puts the original back."""
+        probe sets a fresh container like the one the write sets, then puts the original back
+        (a pool that is itself the sequence must be a list, whose items are replaced)."""
+        if not attr:
+            if not isinstance(self.pool, list):
+                raise TypeError(
+                    f"pool: expected a list of jax buffers to replace in place, got a "
+                    f"{type(self.pool).__name__}"
+                )
+            return
         try:
             setattr(self.pool, attr, _same_container(layers, layers))
             setattr(self.pool, attr, layers)
@@ -151,6 +174,19 @@ class _ForeignView(PoolView):
                 f"{attr}: {type(self.pool).__name__} does not let its jax buffers be replaced "
                 f"({err})"
             ) from err
+
+    def _set(self, attr: str, layers) -> None:
+        if not attr:
+            self.pool[:] = layers
+            return
+        setattr(self.pool, attr, _same_container(getattr(self.pool, attr), layers))
+
+    def replace_buffers(self, changes):
+        for attr in changes:
+            self._check_settable(attr, layers_of(self.pool, attr))
+        for attr, layers in changes.items():
+            self._set(attr, layers)
+        return self.pool
 
     def write(self, slots, staging, block_size):
         parts = self.layout.parts
@@ -164,7 +200,7 @@ class _ForeignView(PoolView):
                     _foreign.write_rows(buf, part.codec, slots, rows.reshape(-1, *rows.shape[2:]))
             jax_parts = [i for i, host in enumerate(direct) if host is None]
             if jax_parts:
-                layers = tuple(tuple(getattr(self.pool, parts[i].attr)) for i in jax_parts)
+                layers = tuple(tuple(self.buffers(parts[i])) for i in jax_parts)
                 new = write_arrays(
                     layers,
                     [parts[i] for i in jax_parts],
@@ -177,8 +213,7 @@ class _ForeignView(PoolView):
                 _foreign.write_rows(buf, codec, slots, rows)
             raise
         for i, bufs in zip(jax_parts, new if jax_parts else ()):
-            attr = parts[i].attr
-            setattr(self.pool, attr, _same_container(getattr(self.pool, attr), bufs))
+            self._set(parts[i].attr, bufs)
         return self.pool
 
 
@@ -187,9 +222,13 @@ def _same_container(like, layers):
     return list(layers) if isinstance(like, list) else tuple(layers)
 
 
-def view_of(pool) -> PoolView:
-    """Describes `pool`: a jaxkv pool, or any object with SGLang's buffer attributes."""
-    if isinstance(pool, PoolBase) and pool.consumed:
-        pool.layer_buffer(pool.BUFFERS[0], 0)  # raises ConsumedPoolError, naming the pool
-    view = _JaxkvView if isinstance(pool, PoolBase) else _ForeignView
-    return view(pool, describe(pool))
+def view_of(pool, declared: PoolLayout | None = None) -> PoolView:
+    """Describes `pool`: by `declared` when given, else a jaxkv pool, a pool class jaxkv
+    recognises (sglang-jax's), or any object with SGLang's buffer attributes."""
+    if isinstance(pool, PoolBase):
+        if pool.consumed:
+            pool.layer_buffer(pool.BUFFERS[0], 0)  # raises ConsumedPoolError, naming the pool
+        if declared is None:
+            return _JaxkvView(pool, describe(pool))
+    declared = declared or recognised(pool)
+    return _ForeignView(pool, describe(pool) if declared is None else declared.resolve(pool))

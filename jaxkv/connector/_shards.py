@@ -22,7 +22,6 @@ import dataclasses
 
 import jax
 
-from jaxkv._pool_base import PoolBase
 from jaxkv.connector._layout import Layout, Part
 from jaxkv.connector._pool_views import PoolView, write_arrays
 
@@ -56,13 +55,26 @@ class ShardPlan:
 
 
 def placement(view: PoolView) -> jax.sharding.Sharding | None:
-    """The sharding of a jaxkv pool whose buffers span several devices, else None."""
-    if not isinstance(view.pool, PoolBase):
+    """The sharding of a pool moved shard by shard, else None: a pool whose jax buffers span
+    several devices, or sit on a mesh with explicit axes (where a gather or scatter of the
+    global array must name its output sharding; its shards, single-device arrays, need not).
+
+    A jaxkv pool has one sharding for all its buffers; another framework's pool is moved by
+    shards when its first buffer is, and every buffer's placement is checked by `plan`.
+    """
+    first = view.buffers(view.layout.parts[0])[0]
+    if not isinstance(first, jax.Array):
         return None
-    first = view.pool.buffers(view.layout.parts[0].attr)[0]  # one pool sharding: any buffer
-    if len(first.sharding.device_set) == 1:
+    sharding = first.sharding
+    if len(sharding.device_set) == 1 and not _explicit(sharding):
         return None
-    return first.sharding
+    return sharding
+
+
+def _explicit(sharding: jax.sharding.Sharding) -> bool:
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 def _span(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -85,7 +97,13 @@ def plan(view: PoolView, layout: Layout, block_size: int) -> ShardPlan | None:
         return None
     per_device: dict[jax.Device, list] = {}
     for p in layout.parts:
-        buf = view.arrays((p,))[0][0]
+        bufs = view.arrays((p,))[0]
+        buf = bufs[0]
+        if not all(isinstance(b, jax.Array) and b.sharding == buf.sharding for b in bufs):
+            raise ValueError(
+                f"pool: expected every {p.attr or 'pool'} buffer placed like the first one "
+                f"({buf.sharding}), got another placement"
+            )
         for shard in buf.addressable_shards:
             span = _span(shard.index, buf.shape)
             per_device.setdefault(shard.device, []).append((p, span, buf.shape, shard.replica_id))
@@ -94,12 +112,14 @@ def plan(view: PoolView, layout: Layout, block_size: int) -> ShardPlan | None:
         labels, new_parts = [], []
         for p, span, shape, _ in parts:
             label = _split_label(p, span, shape)
-            if label and (span[0] != (0, shape[0]) or not p.codec.token_major):
+            token = p.codec.token_axes  # the leading axes holding token rows
+            whole = all(span[a] == (0, shape[a]) for a in range(token))
+            if label and (not whole or not p.codec.token_major):
                 raise ValueError(
-                    f"pool: expected {p.attr} split along its row axes only, got a shard "
-                    f"covering {span} of {shape}"
+                    f"pool: expected {p.attr or 'pool'} split along its row axes only, got a "
+                    f"shard covering {span} of {shape}"
                 )
-            rows = tuple(hi - lo for lo, hi in span[1:])
+            rows = tuple(hi - lo for lo, hi in span[token:])
             new_parts.append(dataclasses.replace(p, row_shape=rows) if label else p)
             labels.append(label)
         key = ",".join(x for x in labels if x)
@@ -139,6 +159,46 @@ class ShardView(PoolView):
         return write_arrays(self._arrays, self.layout.parts, slots, staging, block_size)
 
 
+def _local(shard) -> jax.Array:
+    """A shard as a plain single-device array sharing its memory: a buffer on a one-device
+    mesh is its own shard, still typed with the mesh's axes, which an explicit mesh's gathers
+    and scatters would then ask output shardings for."""
+    data = shard.data
+    single = jax.sharding.SingleDeviceSharding(shard.device, memory_kind=data.sharding.memory_kind)
+    if data.sharding == single:
+        return data
+    return jax.make_array_from_single_device_arrays(data.shape, single, [data])
+
+
+def _auto_typed(x: jax.Array) -> jax.Array:
+    """`x` on a copy of its mesh whose axes are all Auto, sharing its memory: gathers of the
+    global array then leave their output sharding to the compiler, as on any jaxkv mesh."""
+    sharding = x.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not _explicit(sharding):
+        return x
+    mesh = sharding.mesh
+    axes = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=axes)
+    retyped = jax.sharding.NamedSharding(auto, sharding.spec, memory_kind=sharding.memory_kind)
+    shards = [s.data for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, retyped, shards)
+
+
+class GlobalView(PoolView):
+    """A pool's global buffers for reading whole rows (`export_blocks`), on meshes with Auto
+    axes (see `_auto_typed`)."""
+
+    def __init__(self, view: PoolView):
+        super().__init__(view.pool, view.layout)
+        self._view = view
+
+    def host_layers(self, part):
+        return self._view.host_layers(part)
+
+    def arrays(self, parts=None):
+        return tuple(tuple(_auto_typed(b) for b in bufs) for bufs in self._view.arrays(parts))
+
+
 def shard_views(plan_: ShardPlan, view: PoolView) -> list[tuple[ShardGroup, list[ShardView]]]:
     """Per shard group, a view of each of its replicas on this process's devices."""
     n_parts = len(view.layout.parts)
@@ -147,7 +207,7 @@ def shard_views(plan_: ShardPlan, view: PoolView) -> list[tuple[ShardGroup, list
         for buf in layers:
             for shard in buf.addressable_shards:
                 per_part = by_device.setdefault(shard.device, [[] for _ in range(n_parts)])
-                per_part[pi].append(shard.data)
+                per_part[pi].append(_local(shard))
     return [
         (
             g,
@@ -180,9 +240,7 @@ def rebuild(view: PoolView, placed: list[list[tuple]], written: dict[jax.Device,
             )
             for li, (shape, sharding, devices) in enumerate(layers)
         ]
-    pool = view.pool.with_buffers(**changes)
-    view.pool.mark_consumed()  # its shards were donated to `pool`'s, as an eager update's are
-    return pool
+    return view.replace_buffers(changes)  # a jaxkv pool is consumed: its shards were donated
 
 
 def check_placement(plan_: ShardPlan | None, view: PoolView) -> None:
@@ -193,7 +251,7 @@ def check_placement(plan_: ShardPlan | None, view: PoolView) -> None:
     if want is None or got is None:
         same = got is want
     else:
-        same = got.is_equivalent_to(want, len(view.layout.parts[0].row_shape) + 1)
+        same = got.is_equivalent_to(want, len(view.buffers(view.layout.parts[0])[0].shape))
     if not same:
         raise ValueError(
             f"pool: expected buffers placed as the pool this connector was made for "

@@ -104,7 +104,7 @@ class TransferPath:
             kind, device = self._staging_kind(like)
             shape = (len(records), block_size, *p.row_shape)
             slot = stack.enter_context(
-                self.staging.borrow(kind, view.layout.layer_num, shape, p.bits_dtype, device)
+                self.staging.borrow(kind, view.layout.part_layers(p), shape, p.bits_dtype, device)
             )
             # Blocks a HostStore holds side by side (stored together) are one strided
             # array: one copy per layer instead of a stack of every block.
@@ -151,7 +151,8 @@ class GatherPath(TransferPath):
     def snapshot(self, view, slots, block_size, store):
         n_blocks = len(slots) // block_size
         largest = max(
-            n_blocks * view.layout.layer_num * block_size * _row_bytes(p) for p in view.layout.parts
+            n_blocks * view.layout.part_layers(p) * block_size * _row_bytes(p)
+            for p in view.layout.parts
         )
         arrays = view.arrays()
         platform = device_of(arrays[0][0]).platform
@@ -184,7 +185,10 @@ class CpuCopyPath(GatherPath):
         n_blocks = len(slots) // block_size
         jax.block_until_ready(layers)
         parts = view.layout.parts
-        shapes = {p.key: ((len(layers[0]), block_size, *p.row_shape), p.bits_dtype) for p in parts}
+        shapes = {
+            p.key: ((len(bufs), block_size, *p.row_shape), p.bits_dtype)
+            for p, bufs in zip(parts, layers)
+        }
         lent = store.lend(shapes, n_blocks)
         if lent is not None:
             blocks, loan = lent
@@ -363,6 +367,8 @@ def _cpu_layers(view: PoolView) -> tuple[tuple[jax.Array, ...], ...] | None:
     zero-copy views. None otherwise."""
     for part in view.layout.parts:
         if view.host_layers(part) is not None or not part.codec.token_major:
+            return None
+        if part.codec.token_axes != 1:  # paged rows: slot s is not row s of the first axis
             return None
     arrays = view.arrays()
     for part, bufs in zip(view.layout.parts, arrays):
