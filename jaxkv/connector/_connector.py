@@ -114,8 +114,9 @@ class KVConnector:
             dropped block, both counted in `stats()["io_errors"]` and logged on the `jaxkv`
             logger: a cache that fails must not fail the request it was meant to speed up.
 
-    Sharded pools: when `pool`'s buffers span several devices, `store`, `store_async`,
-    `lookup` and `load` run on the shards this process addresses, never gathering a buffer.
+    Sharded pools: when `pool`'s buffers span several devices, or sit on a mesh with explicit
+    axes (sglang-jax's), `store`, `store_async`, `lookup` and `load` run on the shards this
+    process addresses, never gathering a buffer.
     Each distinct shard is keyed under its coordinates (a head-sharded shard's layout names
     its heads, e.g. "k.1=2:4/8,v.1=2:4/8"), so blocks stored at one tensor-parallel degree are
     misses at another rather than wrong data; a shard holding whole rows (a replicated
