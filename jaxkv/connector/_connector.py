@@ -39,10 +39,11 @@ from jaxkv.connector._replies import (
     is_bool,
     is_record_or_none,
     stats_dict,
+    store_result,
 )
 from jaxkv.connector._transfers import Snapshot, TransferPath, choose_path, gather_blocks
 from jaxkv.connector._writes import BackgroundWrites
-from jaxkv.connector.stores import BlockStore, FailureLog, strict_scope
+from jaxkv.connector.stores import BlockStore, FailureLog, StoreResult
 from jaxkv.errors import StoreReplyError
 
 # Chains kept per connector, one per root (layout fingerprint and salt): a sharded pool has a
@@ -297,11 +298,10 @@ class KVConnector:
         data = _hashing.token_bytes(token_ids)
         first = self._first_block(start, len(data) // 4)
         found = []  # per layout (one, or one per shard group): the run of blocks held
-        with strict_scope(self.strict):
-            for fingerprint in self._fingerprints():
-                digests = self._chain(data, salt, fingerprint)[first:]
-                held = self._held([d.hex() for d in digests], stop_at_miss=True)
-                found.append(held.index(False) if False in held else len(held))
+        for fingerprint in self._fingerprints():
+            digests = self._chain(data, salt, fingerprint)[first:]
+            held = self._held([d.hex() for d in digests], stop_at_miss=True)
+            found.append(held.index(False) if False in held else len(held))
         n = min(found)
         self._count("lookups")
         self._count("lookup_hits", n)
@@ -332,7 +332,9 @@ class KVConnector:
         asked = iter(
             self._call(
                 "read",
-                lambda ks: self.backend.contains_many(ks, stop_at_miss=stop_at_miss),
+                lambda ks, strict: self.backend.contains_many_result(
+                    ks, stop_at_miss=stop_at_miss, strict=strict
+                ),
                 ask,
                 None,
                 check=lambda answer: answers(answer, len(ask), is_bool, "bools"),
@@ -347,36 +349,42 @@ class KVConnector:
         return held
 
     def _call(self, kind: str, method, arg, failed, check=None):
-        """`method(arg)` on the store, its answer passed through `check` (which returns it
-        or raises `StoreReplyError`). A failure (an `OSError`, any other exception the store
-        raises, a malformed answer) is counted and logged (unless the store did both
-        already), then raised when this connector or the store is strict (a non-`OSError` as
-        `StoreReplyError`), else answered with `failed` (a miss, a dropped write)."""
+        """`method(arg, strict)` on the store, a `StoreResult` whose values pass through
+        `check` (which returns them or raises `StoreReplyError`).
+
+        Strictness is decided here, once per call (this connector's or the store's `strict`),
+        and handed to the store, which stops at its first failure when strict. The failures a
+        result lists were counted and logged by the store; a failure it raises instead (an
+        `OSError`, any other exception, a malformed result) is counted and logged here. A
+        strict call raises its failure (a non-`OSError` as `StoreReplyError`); a lenient one
+        answers `failed` (a miss, a dropped write) when the call failed as a whole, and the
+        values otherwise, in which each reported failure already is a miss or a drop.
+        """
         store = type(self.backend).__name__
+        strict = self._strict_store()
         try:
-            answer = method(arg)
+            result = method(arg, strict)
         except OSError as err:
-            if not getattr(err, "jaxkv_counted", False):
-                self._count("io_errors")
-                self._failures.note(kind, err)
-            if self._strict_store():
+            self._count("io_errors")
+            self._failures.note(kind, err)
+            if strict:
                 raise
             return failed
         except Exception as err:
             why = f"{store} {kind} raised {type(err).__name__}: {err}"
-            return self._store_failed(kind, StoreReplyError(why), err, failed)
-        if check is None:
-            return answer
+            return self._store_failed(kind, StoreReplyError(why), err, failed, strict)
         try:
-            return check(answer)
+            result = store_result(result)
+            values = result.values if check is None else check(result.values)
         except StoreReplyError as err:
             why = f"{store} {kind} answered wrongly: {err}"
-            return self._store_failed(kind, StoreReplyError(why), None, failed)
+            return self._store_failed(kind, StoreReplyError(why), None, failed, strict)
+        return StoreResult(values, result.errors).answer(strict)
 
-    def _store_failed(self, kind: str, failure: StoreReplyError, cause, failed):
+    def _store_failed(self, kind: str, failure: StoreReplyError, cause, failed, strict: bool):
         self._count("io_errors")
         self._failures.note(kind, failure)
-        if self._strict_store():
+        if strict:
             raise failure from cause
         return failed
 
@@ -385,7 +393,7 @@ class KVConnector:
         if self.strict:
             return True
         try:
-            return getattr(self.backend, "strict", False) is True
+            return self.backend.strict is True
         except Exception:  # a store whose `strict` itself fails is not asking to raise
             return False
 
@@ -475,8 +483,7 @@ class KVConnector:
     def _snapshot_view(self, view: PoolView, fingerprint: str, data: bytes, slots, salt):
         """`_snapshot` of one pool or shard whose blocks are keyed under `fingerprint`."""
         digests = self._chain(data, salt, fingerprint)
-        with strict_scope(self.strict):
-            held = self._held([d.hex() for d in digests])
+        held = self._held([d.hex() for d in digests])
         missing = [i for i, h in enumerate(held) if not h]
         if not missing:
             return [], [], []
@@ -503,20 +510,19 @@ class KVConnector:
         returns the number of blocks of which a record was newly written."""
         results: list[bool] = []
 
-        def put_many(batch):
-            try:
-                answer = self.backend.put_many(batch)
-            except Exception as err:
-                # The records that landed before the error are counted (strict runs raise).
-                landed = getattr(err, "jaxkv_written", ())
-                if isinstance(landed, (list, tuple)) and all(map(is_bool, landed)):
-                    results.extend(landed[: len(batch)])
-                raise
-            results.extend(answers(answer, len(batch), is_bool, "bools"))
+        def record_landed(values) -> list[bool]:
+            # Kept before a strict failure is raised: what landed is counted all the same.
+            results.extend(answers(values, len(records), is_bool, "bools"))
+            return results
 
         try:
-            with strict_scope(self.strict):
-                self._call("write", put_many, records, None)
+            self._call(
+                "write",
+                lambda batch, strict: self.backend.put_many_result(batch, strict=strict),
+                records,
+                None,
+                check=record_landed,
+            )
         finally:
             new = [j for j, landed in enumerate(results) if landed]
             with self._lock:
@@ -556,8 +562,7 @@ class KVConnector:
             OSError: the store failed, only when this connector or the store is strict.
         """
         self._check_open()
-        with strict_scope(self.strict):
-            records, blocks, staging = self._snapshot(pool, token_ids, slots, salt)
+        records, blocks, staging = self._snapshot(pool, token_ids, slots, salt)
         try:
             return self._write(records, blocks)
         finally:
@@ -600,8 +605,7 @@ class KVConnector:
             OSError: checking which blocks are stored failed, only when strict.
         """
         self._check_open()
-        with strict_scope(self.strict):
-            records, blocks, staging = self._snapshot(pool, token_ids, slots, salt)
+        records, blocks, staging = self._snapshot(pool, token_ids, slots, salt)
         if not records:
             done: Future = Future()
             done.set_result(0)
@@ -714,14 +718,13 @@ class KVConnector:
         keys = [d.hex() for d in digests]
         self._writes.wait_for(keys)
         records: list[BlockRecord] = []
-        with strict_scope(self.strict):
-            got = self._call(
-                "read",
-                lambda ks: self.backend.get_many(ks, stop_at_miss=True),
-                keys,
-                None,
-                check=lambda answer: answers(answer, len(keys), is_record_or_none, "records"),
-            )
+        got = self._call(
+            "read",
+            lambda ks, strict: self.backend.get_many_result(ks, stop_at_miss=True, strict=strict),
+            keys,
+            None,
+            check=lambda answer: answers(answer, len(keys), is_record_or_none, "records"),
+        )
         want = {
             p.key: ((layout.part_layers(p), bs, *p.row_shape), p.bits_dtype) for p in layout.parts
         }
@@ -739,8 +742,13 @@ class KVConnector:
     def _discard(self, key: str) -> None:
         """Removes the record the store served for `key`, which failed the checks, so that
         `lookup` stops promising it and the next `store` writes the block again."""
-        with strict_scope(self.strict):
-            removed = self._call("discard", self.backend.discard, key, False, check=checked_bool)
+        removed = self._call(
+            "discard",
+            lambda k, strict: self.backend.discard_result(k, strict=strict),
+            key,
+            False,
+            check=checked_bool,
+        )
         if removed:
             self._count("discarded")
 
@@ -794,7 +802,9 @@ class KVConnector:
         Returns:
             The counters above (ints) and `"store"`, the store's `stats()` dict.
         """
-        store = self._call("stats", lambda _: self.backend.stats(), None, {}, check=stats_dict)
+        store = self._call(
+            "stats", lambda _, strict: StoreResult(self.backend.stats()), None, {}, check=stats_dict
+        )
         with self._lock:
             counters = dict(self._counters)
             pending = len(self._writes)

@@ -1,6 +1,6 @@
-"""What the connector accepts from a store: answers of the right type and length, and records
-that are the blocks their keys name. Anything else is the store failing (an answer) or a miss
-(a record), never data."""
+"""What the connector accepts from a store: results and answers of the right type and length,
+and records that are the blocks their keys name. Anything else is the store failing (an
+answer) or a miss (a record), never data."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 from jaxkv._checks import is_int
 from jaxkv.connector import _hashing
 from jaxkv.connector._records import BlockRecord
+from jaxkv.connector.stores import StoreResult
 from jaxkv.errors import StoreReplyError
 
 
@@ -42,6 +43,19 @@ def is_bool(value) -> bool:
 
 def is_record_or_none(value) -> bool:
     return value is None or isinstance(value, BlockRecord)
+
+
+def store_result(answer) -> StoreResult:
+    """`answer` when it is a `StoreResult` whose `errors` is a tuple of `OSError`s (what the
+    `*_result` methods return); else `StoreReplyError` saying what came instead."""
+    if not isinstance(answer, StoreResult):
+        raise StoreReplyError(f"expected a StoreResult, got {type(answer).__name__}")
+    errors = answer.errors
+    if not isinstance(errors, tuple) or not all(isinstance(e, OSError) for e in errors):
+        raise StoreReplyError(
+            f"expected StoreResult.errors to be a tuple of OSErrors, got {errors!r:.200}"
+        )
+    return answer
 
 
 def answers(answer, n: int, ok, what: str) -> list:

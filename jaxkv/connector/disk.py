@@ -30,7 +30,7 @@ from jaxkv._checks import bool_arg, int_arg
 from jaxkv.connector import _records
 from jaxkv.connector._files import FileOps, IrregularFileError
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import BlockStore, tidying_scope
+from jaxkv.connector.stores import Call, ReportingStore, StoreResult, each, upkeep
 
 __all__ = ["DiskStore", "FileOps", "IrregularFileError"]
 
@@ -50,16 +50,18 @@ STALE_TMP_SECONDS = 15 * 60
 RESCAN_SHARE = 1 / 16
 
 
-class DiskStore(BlockStore):
+class DiskStore(ReportingStore):
     """Blocks as files under `path`, evicting least-recently-used files past `capacity_bytes`
     (no limit when `None`). `fsync=True` also flushes each record to stable storage before
     it becomes visible.
 
     Faults: a failed file operation (full or read-only disk, a file gone, a read error) is
     counted in `stats()["io_errors"]`, logged on the `jaxkv` logger and becomes a miss or a
-    dropped write; with `strict=True` it is raised (`OSError`) instead. A failure while
-    tidying up after a successful write (its rescan, its evictions) is counted and logged but
-    never raised: the write did land.
+    dropped write; with `strict=True` it is raised (`OSError`) instead, and the call stops
+    there. The `*_result` methods report each failure in their `StoreResult` and raise none
+    (a `KVConnector` decides). A failure while tidying up after a successful write (its
+    rescan, its evictions) is counted and logged but never reported nor raised: the write did
+    land.
 
     Damage: a record file that fails a check, and anything found under a block's name that
     the store never writes there (a FIFO, device, socket, folder or link; or a link or
@@ -138,7 +140,9 @@ class DiskStore(BlockStore):
         # again until a `put` of the block replaces the file.
         self._unremoved: set[str] = set()
         self._unscanned = 0  # bytes this process wrote since its last rescan
-        self._rescan(clean=True)
+        with Call(self.strict) as call:
+            self._rescan(call, clean=True)
+        call.result(None).answer(call.strict)
 
     @property
     def path(self) -> str:
@@ -157,22 +161,22 @@ class DiskStore(BlockStore):
 
     # ---- the folder ------------------------------------------------------------------------
 
-    def _rescan(self, clean: bool = False) -> None:
+    def _rescan(self, call: Call, clean: bool = False) -> None:
         """Rebuilds the index from the folder, oldest file first; with `clean`, also removes
         temporary files whose writer is gone. Files vanishing meanwhile (another process
         evicting them) are skipped; what is not a plain file under a block's name, or not a
         folder under a subfolder's name, is removed as damaged."""
         found = []
         now = time.time()
-        for sub in self._list(self._root):
+        for sub in self._list(self._root, call):
             if not _SUBFOLDER.fullmatch(sub):
                 continue
             folder = os.path.join(self._root, sub)
-            for name in self._list(folder):
+            for name in self._list(folder, call):
                 file = os.path.join(folder, name)
                 if name.endswith(".tmp"):
                     if clean and self._stale_tmp(name, file, now):
-                        self._remove(file)
+                        self._remove(file, call)
                     continue
                 key = name[: -len(_SUFFIX)]
                 if not (name.endswith(_SUFFIX) and _KEY.fullmatch(key)):
@@ -182,13 +186,13 @@ class DiskStore(BlockStore):
                 except FileNotFoundError:
                     continue
                 except IrregularFileError as err:  # the subfolder was swapped for a link
-                    self._drop_damaged(None, err.filename)
+                    self._drop_damaged(None, err.filename, call)
                     break
                 except OSError as err:
-                    self._failed("scan", err)
+                    self._failed("scan", err, call)
                     continue
                 if not stat.S_ISREG(st.st_mode):
-                    self._drop_damaged(None, file)
+                    self._drop_damaged(None, file, call)
                     continue
                 found.append((st.st_mtime_ns, key, st.st_size))
         found.sort()
@@ -197,16 +201,16 @@ class DiskStore(BlockStore):
             self._bytes = sum(size for _, _, size in found)
             self._unscanned = 0
 
-    def _list(self, folder: str) -> list[str]:
+    def _list(self, folder: str, call: Call) -> list[str]:
         try:
             return self._fs.listdir(folder)
         except (FileNotFoundError, NotADirectoryError):
             return []
         except IrregularFileError as err:
-            self._drop_damaged(None, err.filename)
+            self._drop_damaged(None, err.filename, call)
             return []
         except OSError as err:
-            self._failed("scan", err)
+            self._failed("scan", err, call)
             return []
 
     def _stale_tmp(self, name: str, file: str, now: float) -> bool:
@@ -220,20 +224,20 @@ class DiskStore(BlockStore):
         # Not a plain file: no writer of this store made it.
         return not stat.S_ISREG(st.st_mode) or now - st.st_mtime > STALE_TMP_SECONDS
 
-    def _remove(self, file: str) -> bool | None:
+    def _remove(self, file: str, call: Call) -> bool | None:
         """Removes the name `file`: True when removed, None when gone already (or its folder
-        is not one of the store's: then that name goes), False when it stays (a failure,
-        counted and logged; raised when strict)."""
+        is not one of the store's: then that name goes), False when it stays (a failure of
+        `call`, counted and logged; a strict call stops there)."""
         try:
             self._fs.unlink(file)
             return True
         except FileNotFoundError:
             return None
         except IrregularFileError as err:  # its subfolder is a link or a special file
-            self._drop_damaged(None, err.filename)
+            self._drop_damaged(None, err.filename, call)
             return None
         except OSError as err:
-            self._failed("remove", err)
+            self._failed("remove", err, call)
             return False
 
     def _file(self, key: str) -> str:
@@ -245,8 +249,30 @@ class DiskStore(BlockStore):
         return len(self._index)
 
     # ---- the store interface ---------------------------------------------------------------
+    # Each key is one `_contains`/`_get`/`_put`/`_discard` of the call it belongs to; the
+    # `*_result` methods run them key by key (`each`), and the plain methods call those.
 
-    def contains(self, key: str) -> bool:
+    def contains_many_result(
+        self, keys, *, stop_at_miss: bool = False, strict: bool
+    ) -> StoreResult[list[bool]]:
+        return each(self._contains, keys, False, stop_at_miss=stop_at_miss, strict=strict)
+
+    def get_many_result(
+        self, keys, *, stop_at_miss: bool = False, strict: bool
+    ) -> StoreResult[list[BlockRecord | None]]:
+        return each(self._get, keys, None, stop_at_miss=stop_at_miss, strict=strict)
+
+    def put_many_result(self, records, *, strict: bool) -> StoreResult[list[bool]]:
+        return each(self._put, records, False, strict=strict)
+
+    def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]:
+        """Removes the file of `key`, if any (see `BlockStore.discard`). A file that cannot be
+        removed (counted in `io_errors`; raised by a strict `discard`) is never promised or
+        served again by this store, until a `put` of the block replaces it."""
+        result = each(self._discard, [key], False, strict=strict)
+        return StoreResult(result.values[0], result.errors)
+
+    def _contains(self, key: str, call: Call) -> bool:
         # The folder is the truth: another process sharing it may have written or evicted the
         # file since this index last saw it. The header and size say whether the plain file
         # is a whole record (a torn or truncated one is dropped, so `put` can write it again);
@@ -260,13 +286,13 @@ class DiskStore(BlockStore):
             self._forget(key)
             return False
         except IrregularFileError as err:
-            self._drop_damaged(key, err.filename)
+            self._drop_damaged(key, err.filename, call)
             return False
         except OSError as err:
-            self._failed("read", err)
+            self._failed("read", err, call)
             return False
         if _records.expected_size(head) != size:
-            self._drop_damaged(key, path)
+            self._drop_damaged(key, path, call)
             return False
         with self._lock:
             if key in self._index:
@@ -282,7 +308,7 @@ class DiskStore(BlockStore):
             if size is not None:
                 self._bytes -= size
 
-    def _drop_damaged(self, key: str | None, path: str) -> None:
+    def _drop_damaged(self, key: str | None, path: str, call: Call) -> None:
         """Removes the damaged name `path` (the file of `key`, or a name of the folder that
         holds what the store never writes there) and counts it. A file of `key` that stays
         is never promised or served again (until a `put` replaces it)."""
@@ -290,23 +316,23 @@ class DiskStore(BlockStore):
         if path == self._root:  # the folder itself is never removed
             return
         if key is None:
-            self._remove(path)
+            self._remove(path, call)
             return
         self._forget(key)
-        self._remove_file(key, path)
+        self._remove_file(key, path, call)
 
-    def _remove_file(self, key: str, path: str) -> bool | None:
+    def _remove_file(self, key: str, path: str, call: Call) -> bool | None:
         """`_remove(path)` for the file of `key`. Should the file stay, the key is no longer
-        promised or served (also when the failure is raised, strict)."""
+        promised or served (also when the failure stops a strict call)."""
         with self._lock:
             self._unremoved.add(key)
-        removed = self._remove(path)
+        removed = self._remove(path, call)
         if removed is not False:
             with self._lock:
                 self._unremoved.discard(key)
         return removed
 
-    def get(self, key: str) -> BlockRecord | None:
+    def _get(self, key: str, call: Call) -> BlockRecord | None:
         path = self._file(key)
         if key in self._unremoved:
             self._count("misses")
@@ -320,15 +346,15 @@ class DiskStore(BlockStore):
             return None
         except IrregularFileError as err:
             self._count("misses")
-            self._drop_damaged(key, err.filename)
+            self._drop_damaged(key, err.filename, call)
             return None
         except _records.CorruptRecordError:
             self._count("misses")
-            self._drop_damaged(key, path)
+            self._drop_damaged(key, path, call)
             return None
         except OSError as err:
             self._count("misses")
-            self._failed("read", err)
+            self._failed("read", err, call)
             return None
         try:
             self._fs.touch(path)  # recency for the other processes' rescans
@@ -342,18 +368,15 @@ class DiskStore(BlockStore):
             self._counters["bytes_loaded"] += record.nbytes
         return record
 
-    def discard(self, key: str) -> bool:
-        """Removes the file of `key`, if any (see `BlockStore.discard`). A file that cannot be
-        removed (counted in `io_errors`; raised when strict) is never promised or served
-        again by this store, until a `put` of the block replaces it."""
+    def _discard(self, key: str, call: Call) -> bool:
         path = self._file(key)
         self._forget(key)
-        if self._remove_file(key, path):
+        if self._remove_file(key, path, call):
             self._count("discarded")
             return True
         return False
 
-    def put(self, record: BlockRecord) -> bool:
+    def _put(self, record: BlockRecord, call: Call) -> bool:
         path = self._file(record.key)
         # One writer per key: a second thread storing the same block waits for the first (so
         # the block is readable when its `put` returns) and does not count it again.
@@ -365,14 +388,14 @@ class DiskStore(BlockStore):
             busy.wait()
             return False
         try:
-            return self._put(record, path)
+            return self._write(record, path, call)
         finally:
             with self._lock:
                 del self._writing[record.key]
             done.set()
 
-    def _put(self, record: BlockRecord, path: str) -> bool:
-        if self.contains(record.key):
+    def _write(self, record: BlockRecord, path: str, call: Call) -> bool:
+        if self._contains(record.key, call):
             return False
         data = _records.encode(record)
         if self.capacity_bytes is not None and len(data) > self.capacity_bytes:
@@ -389,9 +412,9 @@ class DiskStore(BlockStore):
             except OSError:
                 pass  # never created, or the disk refuses even that: a stale file for later
             if isinstance(err, IrregularFileError):  # swapped in since `contains` looked
-                self._drop_damaged(None, err.filename)
+                self._drop_damaged(None, err.filename, call)
                 return False
-            self._failed("write", err)
+            self._failed("write", err, call)
             return False
         with self._lock:
             self._unremoved.discard(record.key)
@@ -404,13 +427,14 @@ class DiskStore(BlockStore):
                 self._unscanned + len(data) > self.capacity_bytes * RESCAN_SHARE
             )
             self._unscanned += len(data)
-        with tidying_scope():  # the record landed: what fails now is counted, not raised
-            if rescan:
-                self._rescan()
-            self._evict()
+        # The record landed: what fails now is upkeep, counted and logged, not the write's.
+        tidy = upkeep()
+        if rescan:
+            self._rescan(tidy)
+        self._evict(tidy)
         return True
 
-    def _evict(self) -> None:
+    def _evict(self, call: Call) -> None:
         if self.capacity_bytes is None:
             return
         victims = []
@@ -422,7 +446,7 @@ class DiskStore(BlockStore):
         for victim in victims:
             # Counted only when this store removed the file: another process may have evicted
             # it first, and a file that stays (a failed removal) is found again by a rescan.
-            if self._remove(self._file(victim)):
+            if self._remove(self._file(victim), call):
                 self._count("evictions")
 
 

@@ -1,20 +1,27 @@
-"""The store interface every store implements: `BlockStore`, its counters and failure log.
+"""The store interface every store implements: `BlockStore`, the `StoreResult` its calls
+report, its counters and failure log.
 
 A store maps block keys to `BlockRecord`s. It is deliberately small (`contains`, `get`, `put`,
 `stats`, plus batch forms that default to them) so that a host, disk, remote or tiered store
 is a few methods, and every store verifies what it serves: a record that fails a check is a
 miss, never data.
+
+Failures travel as values. Each batch method has a `*_result` form that takes the caller's
+strictness as an argument and returns a `StoreResult`: the answers and the I/O failures the
+call met, each already counted and logged by the store. Whoever starts a call decides its
+strictness once: a user calling a plain method gets the store's own `strict`; a `KVConnector`
+passes its choice. A strict call stops at its first failure; the caller then raises it.
 """
 
 from __future__ import annotations
 
 import abc
 import collections
-import contextlib
-import contextvars
+import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -25,33 +32,84 @@ from jaxkv.connector._records import BlockRecord
 log = logging.getLogger("jaxkv")
 log.addHandler(logging.NullHandler())
 
-# Set while a strict connector's call runs (per thread): stores then raise their I/O errors.
-_STRICT: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxkv_strict", default=False)
-# Set while a store tidies up after a call's own work succeeded (a disk store's rescan and
-# eviction after a write): a failure there is counted and logged, never raised, since raising
-# would report the finished work as failed.
-_TIDYING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxkv_tidying", default=False)
+T = TypeVar("T")
+Item = TypeVar("Item")
 
 
-@contextlib.contextmanager
-def strict_scope(strict: bool) -> Iterator[None]:
-    """Makes the stores used inside the block raise their I/O errors when `strict`."""
-    token = _STRICT.set(bool_arg("strict", strict) or _STRICT.get())
-    try:
-        yield
-    finally:
-        _STRICT.reset(token)
+@dataclasses.dataclass(frozen=True)
+class StoreResult(Generic[T]):
+    """What one store call did: its answer and the I/O failures it met, as a value.
+
+    Attributes:
+        values: the answer the plain method gives (`contains_many`: one bool per key,
+            `get_many`: one record or `None` per key, `put_many`: one bool per record,
+            `discard`: one bool). A strict call that stopped at a failure answers a miss
+            (`False`, `None`) for every key or record it did not reach.
+        errors: the failures of the call's own work, in order, each an `OSError` the store
+            already counted in `io_errors` and logged. A lenient call went on past each (a
+            miss, a dropped write); a strict one stopped at its first, so it has at most one.
+            Upkeep after the call's work succeeded (a disk store's evictions) is not the
+            call's work: its failures are counted and logged, never listed.
+    """
+
+    values: T
+    errors: tuple[OSError, ...] = ()
+
+    def answer(self, strict: bool) -> T:
+        """`values`; when `strict`, the first error is raised instead (as a plain method
+        does)."""
+        if strict and self.errors:
+            raise self.errors[0]
+        return self.values
 
 
-@contextlib.contextmanager
-def tidying_scope() -> Iterator[None]:
-    """Inside the block, stores count and log their I/O errors but never raise them, strict
-    or not: for the upkeep that follows a call whose own work already succeeded."""
-    token = _TIDYING.set(True)
-    try:
-        yield
-    finally:
-        _TIDYING.reset(token)
+class _Stop(Exception):
+    """Ends a strict call at its first failure. Raised by `BlockStore._failed` and caught by
+    the `Call` the failure belongs to (the failure itself is in `Call.errors`): it never
+    leaves the store."""
+
+
+class Call:
+    """One store call's strictness and the failures it met, handed down to the helpers that
+    do its work (`BlockStore._failed` notes each failure here).
+
+    Used as `with Call(strict) as call: ...`, which ends the block quietly when a strict call
+    stops; `call.result(values)` then reports what was done.
+    """
+
+    def __init__(self, strict: bool):
+        self.strict = bool_arg("strict", strict)
+        self.errors: list[OSError] = []
+
+    def __enter__(self) -> Call:
+        return self
+
+    def __exit__(self, kind, err, tb) -> bool:
+        return kind is not None and issubclass(kind, _Stop)
+
+    def absorb(self, result: StoreResult[T]) -> T:
+        """The values of a call this one made (a tier's), whose failures become this call's:
+        a strict call stops at them."""
+        self.errors += result.errors
+        if self.strict and result.errors:
+            raise _Stop
+        return result.values
+
+    def result(self, values: T) -> StoreResult[T]:
+        return StoreResult(values, tuple(self.errors))
+
+
+def upkeep() -> Call:
+    """A call for upkeep after a call's own work succeeded (a rescan, evictions): its
+    failures are counted and logged, never raised, and belong to no caller."""
+    return Call(False)
+
+
+class Loan(Protocol):
+    """Memory a store lent (`BlockStore.lend`)."""
+
+    def release(self) -> None:
+        """Gives back whatever of the loan no `put` kept."""
 
 
 class FailureLog:
@@ -91,11 +149,16 @@ class BlockStore(abc.ABC):
     """Key -> `BlockRecord`. Implementations are thread-safe.
 
     A subclass calls `super().__init__()` first and implements `contains`, `get`, `put` and
-    `__len__`, and `discard` when it can remove a record; the batch methods default to those,
-    key by key. Errors of the methods: an `OSError` of the store's I/O is raised only when the
-    store is strict (or a strict `KVConnector` is calling it), else it is counted in
-    `io_errors` and the call answers a miss or a dropped write; a store may raise `ValueError`
-    for a key it cannot name (`DiskStore`: not 64 lowercase hex digits).
+    `__len__`; optionally `discard` (when it can remove a record) and `lend` (when it can
+    hand out memory that `put` then keeps without a copy). The batch methods default to the
+    single-key ones, key by key, and each `*_result` method defaults to its batch method.
+
+    Errors: a store that meets I/O failures of its own reports them from its `*_result`
+    methods, counted in `io_errors` and logged; its plain methods raise the first one (an
+    `OSError`) only when the store is strict, and otherwise answer a miss or a dropped write.
+    A store may raise `ValueError` for a key it cannot name (`DiskStore`: not 64 lowercase
+    hex digits). An exception a store's method raises instead of reporting it (a store that
+    does not override the `*_result` methods) ends that call; the caller counts it.
 
     Whatever `contains` reports held, a `get` of it either returns the verified record or
     finds it damaged and removes it then (so that `contains` stops reporting it and the next
@@ -117,9 +180,10 @@ class BlockStore(abc.ABC):
 
     @property
     def strict(self) -> bool:
-        """Raise I/O errors (after counting and logging them) instead of turning them into a
-        miss or a dropped write. A strict `KVConnector` makes every store strict for its
-        calls. Set it to a bool; anything else raises `TypeError` (a flag is never taken from
+        """Whether the plain methods raise I/O errors (after counting and logging them)
+        instead of turning them into a miss or a dropped write. A `KVConnector` calling the
+        store is strict when it or the store is, and passes that to the `*_result` methods.
+        Set it to a bool; anything else raises `TypeError` (a flag is never taken from
         truthiness: `"no"` would turn it on)."""
         return self._strict
 
@@ -127,16 +191,14 @@ class BlockStore(abc.ABC):
     def strict(self, value: bool) -> None:
         self._strict = bool_arg("strict", value)
 
-    def _failed(self, kind: str, err: OSError) -> None:
-        """Counts and logs one I/O failure of class `kind` (read, write, evict, scan...);
-        raises it when the store, or the connector calling it, is strict (except inside a
-        `tidying_scope`)."""
+    def _failed(self, kind: str, err: OSError, call: Call) -> None:
+        """Counts and logs one I/O failure of class `kind` (read, write, evict, scan...) met
+        by `call`, which lists it; a strict call stops here."""
         self._count("io_errors")
         self._failures.note(kind, err)
-        if (self.strict or _STRICT.get()) and not _TIDYING.get():
-            # The connector reads it back (getattr) so that it does not count this again.
-            err.jaxkv_counted = True  # type: ignore[attr-defined]
-            raise err
+        call.errors.append(err)
+        if call.strict:
+            raise _Stop
 
     def stats(self) -> dict[str, int]:
         """Counters, each with one meaning:
@@ -147,7 +209,7 @@ class BlockStore(abc.ABC):
         - `verification_failures`: records found damaged (each is dropped and is a miss).
         - `evictions`: records removed to stay within the capacity.
         - `io_errors`: failed file or network operations (each also a miss or a dropped
-          write, unless the store is strict).
+          write, unless the call was strict).
         - `rejected`: records refused because they cannot fit.
         - `discarded`: records removed by `discard` (a caller found them wrong);
           `undiscarded`: `discard` calls for records this store cannot remove.
@@ -210,13 +272,18 @@ class BlockStore(abc.ABC):
     @abc.abstractmethod
     def __len__(self) -> int: ...
 
-    def lend(self, parts: Mapping[str, tuple[tuple[int, ...], np.dtype]], count: int):
+    # ---- optional ------------------------------------------------------------------------
+
+    def lend(
+        self, parts: Mapping[str, tuple[tuple[int, ...], np.dtype]], count: int
+    ) -> tuple[list[dict[str, np.ndarray]], Loan] | None:
         """Memory for `count` records the caller fills itself and then `put`s, so that the
-        store keeps them without copying (optional: a store that cannot lend returns None,
-        this default).
+        store keeps them without copying. Optional: this default lends nothing (`None`), and
+        a store that cannot lend as much right now answers `None` too.
 
         The connector asks before it copies a CPU pool's blocks to host memory: with a loan,
-        the rows go straight into the store's memory and `put` adopts them.
+        the rows go straight into the store's memory and `put` adopts them; without one, it
+        copies them into its own staging and `put` copies them again.
 
         Args:
             parts: the records' parts, name -> (shape, dtype).
@@ -233,12 +300,13 @@ class BlockStore(abc.ABC):
     def discard(self, key: str) -> bool:
         """Removes the record held under `key`, if any, because a caller found it wrong: the
         record of another block, another layout or other tokens than its key names (a store
-        answered the wrong record), or damaged in a way only the caller can see.
+        answered the wrong record), or damaged in a way only the caller can see. Optional:
+        this default cannot remove anything; it counts the call in `stats()["undiscarded"]`
+        and returns `False`.
 
-        The connector calls it for every record that fails its checks, so that `contains`
-        stops promising that record and the next `put` of the block writes a good one.
-        Stores override it; this default cannot remove anything: it counts the call in
-        `stats()["undiscarded"]` and returns `False`.
+        The connector calls it (through `discard_result`) for every record that fails its
+        checks, so that `contains` stops promising that record and the next `put` of the
+        block writes a good one.
 
         Args:
             key: the block key the record was fetched for.
@@ -308,9 +376,6 @@ class BlockStore(abc.ABC):
     def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
         """`put` of each record, in order (the same rules on the records' memory).
 
-        An error raised part way carries the answers so far as `err.jaxkv_written`, so a
-        caller can count the records that did land.
-
         Args:
             records: the blocks to store, in order.
 
@@ -318,18 +383,158 @@ class BlockStore(abc.ABC):
             One bool per record: whether it was newly stored (as `put`).
 
         Raises:
-            OSError: as `put`, only when strict.
+            OSError: as `put`, only when strict. What an error raised part way leaves
+                stored, only `put_many_result` can report.
         """
-        written: list[bool] = []
-        try:
-            for record in records:
-                written.append(self.put(record))
-        except Exception as err:
-            err.jaxkv_written = written  # type: ignore[attr-defined]  # read back with getattr
-            raise
-        return written
+        return [self.put(record) for record in records]
+
+    # ---- results ---------------------------------------------------------------------------
+    # The connector calls these, passing the strictness it decided; each reports its answer
+    # and the failures it met as a `StoreResult` and raises none of them. The defaults call
+    # the batch methods above and report no failure: a store whose methods raise leaves
+    # them, and its exception reaches the caller, which counts it. A store that meets
+    # failures of its own overrides these four (see `ReportingStore`).
+
+    def contains_many_result(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    ) -> StoreResult[list[bool]]:
+        """`contains_many`, with its failures reported (see `StoreResult`).
+
+        Args:
+            keys, stop_at_miss: as `contains_many`.
+            strict: stop at the first failure.
+
+        Returns:
+            The answers of `contains_many`, and the failures met.
+        """
+        return StoreResult(self.contains_many(keys, stop_at_miss=stop_at_miss))
+
+    def get_many_result(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    ) -> StoreResult[list[BlockRecord | None]]:
+        """`get_many`, with its failures reported (see `StoreResult`).
+
+        Args:
+            keys, stop_at_miss: as `get_many`.
+            strict: stop at the first failure.
+
+        Returns:
+            The answers of `get_many`, and the failures met.
+        """
+        return StoreResult(self.get_many(keys, stop_at_miss=stop_at_miss))
+
+    def put_many_result(
+        self, records: Sequence[BlockRecord], *, strict: bool
+    ) -> StoreResult[list[bool]]:
+        """`put_many`, with its failures reported (see `StoreResult`): a strict write that
+        stops part way still says which records it stored.
+
+        Args:
+            records: as `put_many`.
+            strict: stop at the first failure.
+
+        Returns:
+            The answers of `put_many`, and the failures met.
+        """
+        return StoreResult(self.put_many(records))
+
+    def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]:
+        """`discard`, with its failures reported (see `StoreResult`).
+
+        Args:
+            key: as `discard`.
+            strict: stop at the first failure.
+
+        Returns:
+            The answer of `discard`, and the failures met.
+        """
+        return StoreResult(self.discard(key))
 
     @property
     def nbytes(self) -> int:
         """Bytes of the records held now."""
         return self._bytes
+
+
+class ReportingStore(BlockStore):
+    """A `BlockStore` whose work is its `*_result` methods, which report failures as values
+    (`DiskStore`, `TieredStore`). Its plain methods call them under the store's own `strict`
+    and raise the first failure when it is set.
+
+    A subclass implements `contains_many_result`, `get_many_result`, `put_many_result`,
+    `discard_result` and `__len__`; `each` (below) runs a per-key method as one call.
+    """
+
+    def _plain(self, run: Callable[[bool], StoreResult[T]]) -> T:
+        strict = self.strict  # read once: the call and what it raises agree
+        return run(strict).answer(strict)
+
+    def contains(self, key: str) -> bool:
+        return self.contains_many([key])[0]
+
+    def get(self, key: str) -> BlockRecord | None:
+        return self.get_many([key])[0]
+
+    def put(self, record: BlockRecord) -> bool:
+        return self.put_many([record])[0]
+
+    def discard(self, key: str) -> bool:
+        return self._plain(lambda strict: self.discard_result(key, strict=strict))
+
+    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+        return self._plain(
+            lambda strict: self.contains_many_result(keys, stop_at_miss=stop_at_miss, strict=strict)
+        )
+
+    def get_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False
+    ) -> list[BlockRecord | None]:
+        return self._plain(
+            lambda strict: self.get_many_result(keys, stop_at_miss=stop_at_miss, strict=strict)
+        )
+
+    def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
+        return self._plain(lambda strict: self.put_many_result(records, strict=strict))
+
+    @abc.abstractmethod
+    def contains_many_result(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    ) -> StoreResult[list[bool]]: ...
+
+    @abc.abstractmethod
+    def get_many_result(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    ) -> StoreResult[list[BlockRecord | None]]: ...
+
+    @abc.abstractmethod
+    def put_many_result(
+        self, records: Sequence[BlockRecord], *, strict: bool
+    ) -> StoreResult[list[bool]]: ...
+
+    @abc.abstractmethod
+    def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]: ...
+
+
+def each(
+    one: Callable[[Item, Call], T],
+    items: Sequence[Item],
+    missing: T,
+    *,
+    stop_at_miss: bool = False,
+    strict: bool,
+) -> StoreResult[list[T]]:
+    """`one(item, call)` for every item, in order, as one call: it stops at the first failure
+    when `strict`, and at the first falsy answer with `stop_at_miss`; every item it did not
+    reach answers `missing`.
+
+    Raises:
+        TypeError: a `stop_at_miss` or `strict` that is not a bool.
+    """
+    stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
+    answers = [missing] * len(items)
+    with Call(strict) as call:
+        for i, item in enumerate(items):
+            answers[i] = one(item, call)
+            if stop_at_miss and not answers[i]:
+                break
+    return call.result(answers)

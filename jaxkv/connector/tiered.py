@@ -7,31 +7,21 @@ A write goes to every tier. Each tier keeps its own capacity, eviction and verif
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from jaxkv._checks import bool_arg
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import BlockStore, strict_scope
+from jaxkv.connector.stores import BlockStore, Call, ReportingStore, StoreResult, upkeep
+
+T = TypeVar("T")
 
 # Counters summed from the tiers (added to the stack's own): failures of any tier are
 # failures of the stack.
 _FROM_TIERS = ("verification_failures", "evictions", "io_errors", "rejected", "undiscarded")
 
 
-def _in_strict_scope(method):
-    """Runs `method` with every tier strict when the stack itself is set strict."""
-
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with strict_scope(self._strict):
-            return method(self, *args, **kwargs)
-
-    return run
-
-
-class TieredStore(BlockStore):
+class TieredStore(ReportingStore):
     """Several stores as one, fastest first: reads try tiers in order and promote hits into
     the faster tiers; writes go to every tier (write-through).
 
@@ -43,12 +33,18 @@ class TieredStore(BlockStore):
     failures of all tiers summed (`undiscarded` too), and under `"tiers"` each tier's
     `stats()`, in order. `blocks` is the most any tier holds, `bytes` the sum over tiers.
 
-    Strictness: the stack is strict when set so (`strict = True`: its calls then run with
-    every tier strict) or when any tier is. Its methods raise what a tier raises (an
-    `OSError` of a strict tier, or of any tier under a strict stack or `KVConnector`), at the
-    first tier that does, with one exception: a promotion that fails is that faster tier's
-    failed write, counted (`io_errors`) and logged, and never raised, strict or not. The read
-    it follows has its records in hand; raising would turn them into a failure.
+    Results: the stack combines its tiers' `StoreResult`s. Each tier is called with the
+    stack call's strictness, and the failures they report are the stack's; an `OSError` a
+    tier raises instead (a store that does not report failures) is the stack's failure too,
+    counted in its `io_errors` and logged. A strict call stops at the first failure of any
+    tier, and the stack then counts nothing of a read (no hit, no miss, no promotion); a
+    write reports what the tiers stored before it stopped. A promotion that fails is that
+    faster tier's failed write, counted and logged, and never the read's failure, strict or
+    not: the read has its records in hand.
+
+    Strictness: `strict` is true when set on the stack or on any tier; the plain methods
+    then run every tier strict (a `KVConnector` passes its own choice, which takes the
+    stack's `strict` into account).
 
     Args:
         *stores: the tiers, fastest first (e.g. host memory, local disk, Redis).
@@ -79,8 +75,8 @@ class TieredStore(BlockStore):
 
     @property
     def strict(self) -> bool:
-        """Whether the stack raises I/O errors: set on it, or on any tier (a connector then
-        passes a tier's error on too)."""
+        """Whether the stack's plain methods raise I/O errors: set on it, or on any tier (a
+        strict call runs every tier strict)."""
         return self._strict or any(tier.strict for tier in self.tiers)
 
     @strict.setter
@@ -105,24 +101,55 @@ class TieredStore(BlockStore):
             "tiers": tiers,
         }
 
+    def _ask(
+        self,
+        kind: str,
+        call: Call,
+        failed: T,
+        method: Callable[..., StoreResult[T]],
+        *args,
+        **kwargs,
+    ) -> T:
+        """A tier's answer to `method(*args, **kwargs, strict=call.strict)` (one of its
+        `*_result` methods), whose
+        failures become `call`'s (a strict call stops at them). An `OSError` the tier raises
+        instead is the stack's failure of `kind`, counted and logged here; the tier then
+        answers `failed`."""
+        try:
+            result = method(*args, **kwargs, strict=call.strict)
+        except OSError as err:
+            self._failed(kind, err, call)
+            return failed
+        return call.absorb(result)
+
     # ---- reads -----------------------------------------------------------------------------
 
-    def _find(self, keys: Sequence[str], ask: Callable, stop_at_miss: bool) -> list:
+    def _find(
+        self,
+        keys: Sequence[str],
+        method: Callable[[BlockStore], Callable[..., StoreResult]],
+        stop_at_miss: bool,
+        call: Call,
+    ) -> list:
         """Per key, `(tier index, answer)` from the first tier that has it, or `None`.
 
-        `ask(tier, keys, stop_at_miss)` is the tier's batch call. Without `stop_at_miss`, each
-        tier is asked once, for the keys the faster tiers lacked. With it, the leading run is
-        followed from tier to tier: the fastest tier holding the next key answers the run it
-        holds from there; a tier is not asked again at the key it has just missed.
+        `method(tier)` is the tier's batch `*_result` method to ask. Without
+        `stop_at_miss`, each tier is asked once, for the keys the faster tiers lacked. With
+        it, the leading run is followed from tier to tier: the fastest tier holding the next
+        key answers the run it holds from there; a tier is not asked again at the key it has
+        just missed. A strict `call` ends at the first failure.
         """
         found: list = [None] * len(keys)
+
+        def answers(tier: BlockStore, ks: Sequence[str], stop: bool) -> list:
+            return self._ask("read", call, [None] * len(ks), method(tier), ks, stop_at_miss=stop)
+
         if not stop_at_miss:
             left = list(range(len(keys)))
             for t, tier in enumerate(self.tiers):
                 if not left:
                     break
-                answers = ask(tier, [keys[i] for i in left], False)
-                for i, answer in zip(left, answers):
+                for i, answer in zip(left, answers(tier, [keys[i] for i in left], False)):
                     if answer:
                         found[i] = (t, answer)
                 left = [i for i in left if found[i] is None]
@@ -132,114 +159,98 @@ class TieredStore(BlockStore):
             for t, tier in enumerate(self.tiers):
                 if missed_at[t] == pos:
                     continue
-                answers = ask(tier, keys[pos:], True)
-                run = next((j for j, a in enumerate(answers) if not a), len(answers))
+                got = answers(tier, keys[pos:], True)
+                run = next((j for j, a in enumerate(got) if not a), len(got))
                 missed_at[t] = pos + run
                 if run:
-                    found[pos : pos + run] = [(t, a) for a in answers[:run]]
+                    found[pos : pos + run] = [(t, a) for a in got[:run]]
                     pos += run
                     break
             else:
                 break
         return found
 
-    @_in_strict_scope
-    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+    def contains_many_result(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    ) -> StoreResult[list[bool]]:
         stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
-        found = self._find(
-            keys, lambda tier, ks, stop: tier.contains_many(ks, stop_at_miss=stop), stop_at_miss
-        )
-        return [f is not None for f in found]
+        found: list = [None] * len(keys)
+        with Call(strict) as call:
+            found = self._find(keys, lambda tier: tier.contains_many_result, stop_at_miss, call)
+        return call.result([f is not None for f in found])
 
-    @_in_strict_scope
-    def get_many(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False
-    ) -> list[BlockRecord | None]:
+    def get_many_result(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    ) -> StoreResult[list[BlockRecord | None]]:
         stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
-        found = self._find(
-            keys, lambda tier, ks, stop: tier.get_many(ks, stop_at_miss=stop), stop_at_miss
-        )
-        # Promotion: what tier t answered goes into tiers 0..t-1, one batch per tier.
-        promoted = 0
-        for t in range(len(self.tiers) - 1):
-            slower = [f[1] for f in found if f is not None and f[0] > t]
-            if slower:
-                promoted += self._promote(self.tiers[t], slower)
-        records = [None if f is None else f[1] for f in found]
-        hits = [r for r in records if r is not None]
-        with self._lock:
-            c = self._counters
-            c["promotions"] += promoted
-            c["hits"] += len(hits)
-            c["blocks_loaded"] += len(hits)
-            c["bytes_loaded"] += sum(r.nbytes for r in hits)
-            c["misses"] += (1 if None in records else 0) if stop_at_miss else len(keys) - len(hits)
-        return records
+        with Call(strict) as call:
+            found = self._find(keys, lambda tier: tier.get_many_result, stop_at_miss, call)
+            # Promotion: what tier t answered goes into tiers 0..t-1, one batch per tier.
+            promoted = 0
+            for t in range(len(self.tiers) - 1):
+                slower = [f[1] for f in found if f is not None and f[0] > t]
+                if slower:
+                    promoted += self._promote(self.tiers[t], slower, call.strict)
+            records = [None if f is None else f[1] for f in found]
+            hits = [r for r in records if r is not None]
+            with self._lock:
+                c = self._counters
+                c["promotions"] += promoted
+                c["hits"] += len(hits)
+                c["blocks_loaded"] += len(hits)
+                c["bytes_loaded"] += sum(r.nbytes for r in hits)
+                c["misses"] += (
+                    (1 if None in records else 0) if stop_at_miss else len(keys) - len(hits)
+                )
+            return call.result(records)
+        return call.result([None] * len(keys))  # a strict read stopped at a failure
 
-    def _promote(self, tier: BlockStore, records: list[BlockRecord]) -> int:
+    def _promote(self, tier: BlockStore, records: list[BlockRecord], strict: bool) -> int:
         """Copies `records` into the faster `tier`; returns how many it newly stored.
 
-        A failure is the tier's failed write: the tier counted and logged it (else the stack
-        does), and it is not raised, strict or not: the read already has its records.
+        A failure is the tier's failed write, counted and logged by the tier (or here, when
+        the tier raised it), and never the read's: the read already has its records.
         """
         try:
-            return sum(tier.put_many(records))
+            result = tier.put_many_result(records, strict=strict)
         except OSError as err:
-            if not getattr(err, "jaxkv_counted", False):
-                self._count("io_errors")
-                self._failures.note("promotion", err)
-            return sum(getattr(err, "jaxkv_written", ()))
-
-    def contains(self, key: str) -> bool:
-        return self.contains_many([key])[0]
-
-    def get(self, key: str) -> BlockRecord | None:
-        return self.get_many([key])[0]
-
-    @_in_strict_scope
-    def discard(self, key: str) -> bool:
-        """Removes the record of `key` from every tier (the wrong record was promoted into the
-        faster ones too); `True` when some tier removed one. A tier that raises does not stop
-        the others: the first error is raised once every tier was asked."""
-        removed, error = False, None
-        for tier in self.tiers:
-            try:
-                removed = tier.discard(key) or removed
-            except OSError as err:
-                error = err if error is None else error
-        if removed:
-            self._count("discarded")
-        if error is not None:
-            raise error
-        return removed
+            self._failed("promotion", err, upkeep())
+            return 0
+        return sum(result.values)  # what landed, also before a strict write stopped
 
     # ---- writes ----------------------------------------------------------------------------
 
-    @_in_strict_scope
-    def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
-        """Writes every record to every tier. A tier that raises stops the write there; the
-        error carries, as `err.jaxkv_written`, which records a tier newly stored so far."""
+    def put_many_result(
+        self, records: Sequence[BlockRecord], *, strict: bool
+    ) -> StoreResult[list[bool]]:
+        """Writes every record to every tier; a record is stored when some tier newly stored
+        it. A strict call stops at the first tier that fails, and reports what the tiers
+        stored until then."""
         stored = [False] * len(records)
         try:
-            for tier in self.tiers:
-                answers: Sequence[bool] = ()
-                try:
-                    answers = tier.put_many(records)
-                except Exception as err:
-                    answers = getattr(err, "jaxkv_written", ())  # a prefix of the records'
-                    raise
-                finally:
+            with Call(strict) as call:
+                for tier in self.tiers:
+                    answers = self._ask(
+                        "write", call, [False] * len(records), tier.put_many_result, records
+                    )
                     stored[: len(answers)] = [a or b for a, b in zip(stored, answers)]
-        except Exception as err:
-            err.jaxkv_written = stored  # type: ignore[attr-defined]  # read back with getattr
-            raise
         finally:
             with self._lock:
                 self._counters["blocks_stored"] += sum(stored)
                 self._counters["bytes_stored"] += sum(
                     r.nbytes for r, new in zip(records, stored) if new
                 )
-        return stored
+        return call.result(stored)
 
-    def put(self, record: BlockRecord) -> bool:
-        return self.put_many([record])[0]
+    def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]:
+        """Removes the record of `key` from every tier (the wrong record was promoted into the
+        faster ones too); `True` when some tier removed one. Every tier is asked, strict or
+        not: a tier's failure does not stop the others, and the result lists them all."""
+        removed, errors = False, []
+        for tier in self.tiers:
+            with Call(strict) as call:  # a strict failure stops this tier, never the others
+                removed = self._ask("discard", call, False, tier.discard_result, key) or removed
+            errors += call.errors
+        if removed:
+            self._count("discarded")
+        return StoreResult(removed, tuple(errors))
