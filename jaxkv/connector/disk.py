@@ -25,6 +25,7 @@ import stat
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
 from jaxkv._checks import bool_arg, int_arg
 from jaxkv.connector import _records
@@ -253,16 +254,18 @@ class DiskStore(ReportingStore):
     # `*_result` methods run them key by key (`each`), and the plain methods call those.
 
     def contains_many_result(
-        self, keys, *, stop_at_miss: bool = False, strict: bool
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
     ) -> StoreResult[list[bool]]:
         return each(self._contains, keys, False, stop_at_miss=stop_at_miss, strict=strict)
 
     def get_many_result(
-        self, keys, *, stop_at_miss: bool = False, strict: bool
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
     ) -> StoreResult[list[BlockRecord | None]]:
         return each(self._get, keys, None, stop_at_miss=stop_at_miss, strict=strict)
 
-    def put_many_result(self, records, *, strict: bool) -> StoreResult[list[bool]]:
+    def put_many_result(
+        self, records: Sequence[BlockRecord], *, strict: bool
+    ) -> StoreResult[list[bool]]:
         return each(self._put, records, False, strict=strict)
 
     def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]:
