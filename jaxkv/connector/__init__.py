@@ -11,7 +11,7 @@ from jaxkv.connector._records import BlockRecord, CorruptRecordError
 from jaxkv.connector.disk import DiskStore
 from jaxkv.connector.host import HostStore
 from jaxkv.connector.remote import RedisStore
-from jaxkv.connector.stores import BlockStore
+from jaxkv.connector.stores import BlockStore, StoreResult
 from jaxkv.connector.tiered import TieredStore
 from jaxkv.errors import UnsupportedKVCacheError
 
@@ -24,6 +24,7 @@ __all__ = [
     "RedisStore",
     "TieredStore",
     "BlockStore",
+    "StoreResult",
     "BlockRecord",
     "CorruptRecordError",
     "min_block_count",
