@@ -11,7 +11,12 @@
 #    own with the 8 CPU devices its files ask for: its data-parallel test builds a mesh of two
 #    data ranks, which one device cannot hold. The others run on one device, as their mesh
 #    setup expects.
-# 3. tests_sglang_jax/: jaxkv against sglang-jax's pools.
+# 3. sglang-jax's HiCache tests (test_host_kv_pool.py, test_hicache_controller.py,
+#    test_hicache_e2e.py) again, on jaxkv's LRUHostKVPool: the hicache_on_jaxkv plugin
+#    (tests_sglang_jax/hicache_on_jaxkv.py) swaps the class in before they import it and
+#    deselects the white-box tests of sglang-jax's own implementation it lists; it fails the
+#    run when a listed test is gone or the swap did not take.
+# 4. tests_sglang_jax/: jaxkv against sglang-jax's pools.
 #
 # pytest's exit 5 ("no tests collected") is a failure, and with CI set a skipped test fails the
 # run (tests_sglang_jax/ci_no_skips.py). Prints the install time and each run's time and peak
@@ -80,11 +85,15 @@ eight_rc=0
 XLA_FLAGS="--xla_force_host_platform_device_count=8" \
   pytest_rc "sglang-jax test_unified_radix_cache.py (8 devices)" 120 \
   --rootdir "$SGLANG_JAX_SRC" -q "$tests/test_unified_radix_cache.py" || eight_rc=$?
+hicache_rc=0
+pytest_rc "sglang-jax HiCache tests on jaxkv's LRUHostKVPool" 120 -p hicache_on_jaxkv \
+  --rootdir "$SGLANG_JAX_SRC" -q "$tests/test_host_kv_pool.py" "$tests/test_hicache_controller.py" \
+  "$tests/test_hicache_e2e.py" || hicache_rc=$?
 ours_rc=0
 pytest_rc "tests_sglang_jax" 180 tests_sglang_jax -rxX || ours_rc=$?
 echo "CI: sglang-jax step took $(($(date +%s) - start)) s (install $((installed - start)) s)"
 
-for rc in "$own_rc" "$eight_rc"; do
+for rc in "$own_rc" "$eight_rc" "$hicache_rc"; do
   if [ "$rc" -ne 0 ]; then
     exit "$rc"
   fi

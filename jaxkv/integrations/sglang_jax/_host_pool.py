@@ -1,0 +1,566 @@
+"""`LRUHostKVPool`: the host tier (L2) of sglang-jax's HiCache, on jaxkv's host memory.
+
+HiCache speaks page ids only: the radix cache allocates host slots (`alloc`, `free`), its
+controller moves device pages into them and back, and no array crosses that boundary. Each
+slot holds one device page over all layers. The moves are two-phase, split by which thread may
+touch the device pool's buffers (the forward donates them every step):
+
+    backup:  stage_backup (gather, on the thread that owns the buffers)
+             -> flush_backup (into host memory, on the controller's worker)
+    load:    stage_load   (host memory to the devices, on the worker)
+             -> flush_load (scatter, on the thread that owns the buffers)
+
+Bookkeeping invariants, all under one lock:
+
+- A slot is on the free list, or allocated, or retiring: freed while a copy into or out of its
+  host memory still runs; it joins the free list when the last copy ends. So a slot's memory
+  is never handed to a new owner while an old transfer touches it.
+- Every allocation bumps the slot's epoch. `stage_backup` and `stage_load` note the epoch at
+  entry and publish their staged pages only if it is unchanged: a slot freed and allocated
+  again meanwhile gets nothing of the old owner's transfer.
+- Freeing a slot drops whatever was staged for it, so a later flush finds nothing to publish.
+- A slot holds a page (`filled`) only once a backup into it completed; a copy into it makes it
+  empty until then.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxkv._checks import int_arg, int_vector
+from jaxkv.integrations.sglang_jax._pages_on_device import Chunk, PageMover, chunk_sizes
+from jaxkv.integrations.sglang_jax._pages_on_host import host_pages_for
+
+try:
+    from sgl_jax.srt.mem_cache.host_kv_pool import HostKVPool
+except ImportError as err:  # pragma: no cover - exercised without sglang-jax only
+    raise ImportError(
+        "jaxkv.integrations.sglang_jax.LRUHostKVPool subclasses sglang-jax's HostKVPool "
+        "(sgl_jax.srt.mem_cache.host_kv_pool), which could not be imported: put sglang-jax's "
+        f"python/ folder on PYTHONPATH or install it ({err})"
+    ) from err
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Slot:
+    allocated: bool = False
+    epoch: int = 0  # bumped by every allocation
+    filled: bool = False  # holds a page a completed backup put there
+    writers: int = 0  # copies into its host memory running now
+    readers: int = 0  # copies out of its host memory running now
+    lock_ref: int = 0
+    listed: bool = True  # on the free list
+
+
+class _Staged(NamedTuple):
+    """A slot's page between the two phases of a move: row `row` of a chunk on the devices."""
+
+    epoch: int
+    chunk: Chunk
+    row: int
+
+
+class LRUHostKVPool(HostKVPool):
+    """HiCache's host pool, with the constructor and behaviour of sglang-jax's
+    `LRUHostKVPool`, holding pages in jaxkv's host memory.
+
+    `pool_size` slots of one device page each (all layers). On CPU devices the pages live in a
+    host arena allocated and touched at construction; on accelerators in the pinned host
+    arrays their backups landed in. Moves between the device pool and the host gather or
+    scatter whole pages, one compiled call over all layers per power-of-two chunk of the page
+    count (`precompile_transfers` compiles them all ahead), with the device pool's own
+    shardings.
+
+    The slots are page ids: `alloc`/`free` (batched) and `reserve`/`release` (one) hand them
+    out and take them back, `inc_lock_ref`/`dec_lock_ref` pin them. Victims are chosen by the
+    radix cache, never here: a full pool answers None.
+
+    Args:
+        device_pool: sglang-jax's `MHATokenToKVPool` or `MLATokenToKVPool` (anything with
+            `kv_buffer`, a list of `layer_num` per-layer arrays whose axis 0 is the page, all
+            of one shape, dtype and `NamedSharding`). Its buffers are read at each transfer
+            and replaced (donated) by each load.
+        pool_size: host slots, in pages (> 0).
+        page_size: tokens a page, as the device pool's `page_size`.
+        layer_num: as the device pool's: one buffer a layer.
+        per_layer_shape: one page of one layer, `kv_buffer[0].shape[1:]`. The device pool's
+            buffers are what is moved; a different value is logged and not used.
+        dtype: the buffers' dtype (likewise logged, not used, when it differs).
+        mesh, partition_spec: the device pool's sharding (`kv_sharding`).
+        pool_name: a name for the logs.
+
+    Raises:
+        ValueError: `pool_size` not a positive int; `page_size`, `layer_num`, `mesh` or
+            `partition_spec` not those of the device pool; buffers of different shapes,
+            dtypes or shardings.
+        TypeError: buffers not on a `NamedSharding`.
+
+    Example (the wiring sglang-jax's `init_hicache` does):
+
+        pool = LRUHostKVPool(
+            device_pool=kv, pool_size=1024, page_size=kv.page_size, layer_num=kv.layer_num,
+            per_layer_shape=tuple(kv.kv_buffer[0].shape[1:]), dtype=kv.dtype, mesh=mesh,
+            partition_spec=kv.kv_sharding.spec)
+        [slot] = pool.alloc(1)
+        pool.copy_into([3], [slot])       # device page 3 to the host
+        pool.copy_to_device([slot], [7])  # and back, into device page 7
+    """
+
+    def __init__(
+        self,
+        device_pool: Any,
+        pool_size: int,
+        page_size: int,
+        layer_num: int,
+        per_layer_shape: tuple[int, ...],
+        dtype: Any,
+        mesh: Any,
+        partition_spec: Any,
+        *,
+        pool_name: str = "hicache",
+    ) -> None:
+        pool_size = int_arg("pool_size", pool_size)
+        buffers = list(device_pool.kv_buffer)
+        _check_same(
+            "layer_num", int_arg("layer_num", layer_num), "layer count", len(buffers), device_pool
+        )
+        own_page_size = getattr(device_pool, "page_size", page_size)
+        _check_same(
+            "page_size", int_arg("page_size", page_size), "page_size", own_page_size, device_pool
+        )
+        first = buffers[0]
+        for i, buf in enumerate(buffers[1:], 1):
+            if buf.shape != first.shape or buf.dtype != first.dtype:
+                raise ValueError(
+                    f"device_pool.kv_buffer[{i}]: expected {first.dtype}{list(first.shape)} "
+                    f"like kv_buffer[0], got {buf.dtype}{list(buf.shape)}"
+                )
+        self._mover = mover = PageMover(buffers)
+        for i, buf in enumerate(buffers):
+            if not buf.sharding.is_equivalent_to(mover.buffer_sharding, buf.ndim):
+                raise ValueError(
+                    f"device_pool.kv_buffer[{i}]: expected the sharding of kv_buffer[0], "
+                    f"{mover.buffer_sharding}, got {buf.sharding}"
+                )
+        given = jax.sharding.NamedSharding(mesh, partition_spec)
+        if not given.is_equivalent_to(mover.buffer_sharding, first.ndim):
+            raise ValueError(
+                f"mesh, partition_spec: expected the device pool's sharding "
+                f"{mover.buffer_sharding}, got {given}"
+            )
+        if tuple(per_layer_shape) != mover.page_shape or np.dtype(dtype) != mover.dtype:
+            logger.warning(
+                "host pool %s: per_layer_shape, dtype: the device pool's pages are %s%s, got "
+                "%s%s; moving the device pool's pages",
+                pool_name,
+                mover.dtype,
+                list(mover.page_shape),
+                np.dtype(dtype),
+                list(per_layer_shape),
+            )
+        self._kv_pool = device_pool
+        self._pool_size = pool_size
+        self._pool_name = pool_name
+        self._host = host_pages_for(pool_size, mover)
+
+        self._lock = threading.Lock()
+        self._slots = [_Slot() for _ in range(pool_size)]
+        self._free: collections.deque[int] = collections.deque(range(pool_size))
+        self._backups: dict[int, _Staged] = {}  # staged by stage_backup, for flush_backup
+        self._loads: dict[int, _Staged] = {}  # staged by stage_load, for flush_load
+        self._last_full_log = 0.0
+
+    # ---- slots -------------------------------------------------------------------------------
+
+    def reserve(self) -> int | None:
+        """One free slot, now allocated; None when none is free."""
+        with self._lock:
+            if not self._free:
+                self._log_full(1)
+                return None
+            return self._allocate()
+
+    def release(self, buffer_id: int) -> None:
+        """Frees the slot `buffer_id` (see `free`)."""
+        self._release([self._id("buffer_id", buffer_id)], "buffer_id")
+
+    def alloc(self, need_pages: int) -> np.ndarray | None:
+        """`need_pages` free slots, now allocated (int64 ids), or None, allocating nothing,
+        when fewer are free."""
+        need = int_arg("need_pages", need_pages)
+        with self._lock:
+            if len(self._free) < need:
+                self._log_full(need)
+                return None
+            return np.asarray([self._allocate() for _ in range(need)], np.int64)
+
+    def free(self, host_page_ids: Iterable[int]) -> None:
+        """Frees the slots `host_page_ids` (repeats count once), dropping their pages and
+        whatever was staged for them; all or none.
+
+        Raises:
+            ValueError: an id out of range.
+            RuntimeError: an id already free, or locked (`inc_lock_ref`).
+        """
+        ids = self._ids("host_page_ids", list(host_page_ids), distinct=False)
+        self._release(list(dict.fromkeys(ids)), "page id")
+
+    def available_size(self) -> int:
+        """Free slots (pages)."""
+        with self._lock:
+            return len(self._free)
+
+    def total_size(self) -> int:
+        """All slots (pages), free or not."""
+        return self._pool_size
+
+    def inc_lock_ref(self, buffer_id: int) -> None:
+        """Pins the allocated slot `buffer_id`: `free` refuses it until `dec_lock_ref`."""
+        slot = self._id("buffer_id", buffer_id)
+        with self._lock:
+            self._allocated(slot, "buffer_id").lock_ref += 1
+
+    def dec_lock_ref(self, buffer_id: int) -> None:
+        """Undoes one `inc_lock_ref`; RuntimeError when the slot is not pinned."""
+        slot = self._id("buffer_id", buffer_id)
+        with self._lock:
+            state = self._allocated(slot, "buffer_id")
+            if state.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref: buffer_id={slot} is not locked (lock_ref=0)")
+            state.lock_ref -= 1
+
+    # ---- backup: device pages to host slots --------------------------------------------------
+
+    def copy_into(self, device_indices: list[int], host_buffer_ids: list[int]) -> None:
+        """Copies device pages into allocated slots, pairwise (`stage_backup`, then
+        `flush_backup`, on this thread)."""
+        self.stage_backup(device_indices, host_buffer_ids)
+        self.flush_backup(host_buffer_ids)
+
+    def stage_backup(self, device_indices: list[int], host_buffer_ids: list[int]) -> None:
+        """Phase 1 of a backup: gathers the device pages on the devices, for the slots.
+
+        Runs on the thread that owns the device pool's buffers, which it reads; returns once
+        the gathered pages are materialized. A slot freed (and perhaps allocated again) before
+        the gather ends gets nothing.
+
+        Raises:
+            ValueError: lengths differ; an id or device page out of range; a repeated slot.
+            RuntimeError: a slot not allocated.
+        """
+        ids = self._ids("host_buffer_ids", host_buffer_ids)
+        pages = self._device_pages("device_indices", device_indices, distinct=False)
+        _check_pairs("device_indices", pages, "host_buffer_ids", ids)
+        if not ids:
+            return
+        with self._lock:
+            epochs = [self._allocated(slot, "host_buffer_ids").epoch for slot in ids]
+        chunks = self._mover.gather(self._kv_pool.kv_buffer, pages)
+        jax.block_until_ready(chunks)  # the buffers may be donated once this returns
+        staged = _rows_of(chunks)
+        with self._lock:
+            for slot, epoch, (chunk, row) in zip(ids, epochs, staged):
+                if self._current(slot, epoch):
+                    self._backups[slot] = _Staged(epoch, chunk, row)
+
+    def flush_backup(self, host_buffer_ids: list[int]) -> None:
+        """Phase 2 of a backup: puts the pages staged for the slots into host memory.
+
+        Touches no device buffer, so it runs on the controller's worker. A slot freed while
+        its page is copied ends up empty.
+
+        Raises:
+            ValueError: an id out of range, or repeated.
+            RuntimeError: nothing staged for a slot (`stage_backup` first), or a slot being
+                read by `stage_load` right now. Nothing is flushed then.
+        """
+        ids = self._ids("host_buffer_ids", host_buffer_ids)
+        if not ids:
+            return
+        with self._lock:
+            for slot in ids:
+                if slot not in self._backups:
+                    raise RuntimeError(
+                        f"flush_backup: nothing staged for host buffer_id={slot}; "
+                        f"stage_backup must run first (or the slot was freed since)"
+                    )
+                if self._slots[slot].readers:
+                    raise RuntimeError(
+                        f"flush_backup: host buffer_id={slot} is being read by stage_load"
+                    )
+            staged = [self._backups.pop(slot) for slot in ids]
+            for slot in ids:
+                state = self._slots[slot]
+                state.writers += 1
+                state.filled = False
+        done = False
+        try:
+            for chunk, slots, rows in _by_chunk(ids, staged):
+                landed = self._host.land(self._mover.parts(chunk))
+                self._host.keep(slots, landed, rows)
+            done = True
+        finally:
+            with self._lock:
+                for slot in ids:
+                    state = self._slots[slot]
+                    state.writers -= 1
+                    state.filled = done and state.allocated
+                    self._settle(slot)
+
+    # ---- load: host slots to device pages ----------------------------------------------------
+
+    def copy_to_device(self, host_buffer_ids: list[int], device_indices: list[int]) -> None:
+        """Copies slots' pages into device pages, pairwise (`stage_load`, then `flush_load`,
+        on this thread)."""
+        host_buffer_ids = list(host_buffer_ids)
+        self.stage_load(host_buffer_ids)
+        self.flush_load(host_buffer_ids, device_indices)
+
+    def stage_load(self, host_buffer_ids: list[int]) -> None:
+        """Phase 1 of a load: copies the slots' pages onto the devices, staged for
+        `flush_load`.
+
+        Touches no device buffer, so it runs on the controller's worker while the forward
+        runs. A slot freed (and perhaps allocated again) meanwhile gets nothing staged.
+
+        Raises:
+            ValueError: an id out of range, or repeated.
+            RuntimeError: a slot not allocated, holding no page, or being written by
+                `flush_backup` right now.
+        """
+        ids = self._ids("host_buffer_ids", host_buffer_ids)
+        if not ids:
+            return
+        with self._lock:
+            epochs = []
+            for slot in ids:
+                state = self._allocated(slot, "host_buffer_ids")
+                if state.writers:
+                    raise RuntimeError(
+                        f"stage_load: host buffer_id={slot} is being written by flush_backup"
+                    )
+                if not state.filled:
+                    raise RuntimeError(
+                        f"stage_load: host buffer_id={slot} holds no page (back a device page "
+                        f"up into it first)"
+                    )
+                epochs.append(state.epoch)
+            for slot in ids:
+                self._slots[slot].readers += 1
+        chunks: list[Chunk] = []
+        done = False
+        try:
+            start = 0
+            for size in chunk_sizes(len(ids)):
+                on_devices = self._host.fetch(np.asarray(ids[start : start + size], np.int64))
+                chunks.append(self._mover.assemble(on_devices, size))
+                start += size
+            jax.block_until_ready(chunks)
+            done = True
+        finally:
+            with self._lock:
+                for slot in ids:
+                    self._slots[slot].readers -= 1
+                    self._settle(slot)
+                for slot, epoch, (chunk, row) in zip(ids, epochs, _rows_of(chunks) if done else []):
+                    if self._current(slot, epoch):
+                        self._loads[slot] = _Staged(epoch, chunk, row)
+
+    def flush_load(self, host_buffer_ids: list[int], device_indices: list[int]) -> None:
+        """Phase 2 of a load: scatters the pages staged for the slots into the device pages,
+        replacing (donating) the device pool's buffers.
+
+        Runs on the thread that owns the buffers, where no forward holds them.
+
+        Raises:
+            ValueError: lengths differ; an id or device page out of range; a repeated id or
+                device page.
+            RuntimeError: nothing staged for a slot (`stage_load` first). Nothing is written
+                then.
+        """
+        ids = self._ids("host_buffer_ids", host_buffer_ids)
+        pages = self._device_pages("device_indices", device_indices, distinct=True)
+        _check_pairs("device_indices", pages, "host_buffer_ids", ids)
+        if not ids:
+            return
+        with self._lock:
+            for slot in ids:
+                if slot not in self._loads:
+                    raise RuntimeError(
+                        f"flush_load: nothing staged for host buffer_id={slot}; stage_load "
+                        f"must run first (or the slot was freed since)"
+                    )
+            staged = [self._loads.pop(slot) for slot in ids]
+        buffers = self._kv_pool.kv_buffer
+        for chunk, positions, rows in _by_chunk(range(len(ids)), staged):
+            new = self._mover.scatter(buffers, chunk, rows, pages[positions])
+            # Each call donates the buffers it read: the pool holds the new ones before any
+            # further call (or error) can leave it holding donated arrays.
+            for layer, buf in enumerate(new):
+                buffers[layer] = buf
+        jax.block_until_ready(buffers)
+
+    def precompile_transfers(self, max_pages: int | None = None) -> None:
+        """Compiles every gather and scatter a transfer of up to `max_pages` pages can use
+        (default and cap: the most a transfer can move, min(pool_size, device pages)), so no
+        compilation lands on the scheduler while serving. Moves no data and allocates no slot.
+        """
+        cap = min(self._pool_size, self._mover.pages)
+        if max_pages is not None:
+            cap = min(cap, int_arg("max_pages", max_pages, low=0))
+        started = time.perf_counter()
+        sizes = self._mover.precompile(cap)
+        for size in sizes:
+            self._host.warm(size)
+        logger.info(
+            "host pool %s: compiled the transfers of %d chunk sizes (up to %d pages) in %.1f s",
+            self._pool_name,
+            len(sizes),
+            cap,
+            time.perf_counter() - started,
+        )
+
+    # ---- bookkeeping (callers hold the lock) -------------------------------------------------
+
+    def _allocate(self) -> int:
+        slot = self._free.popleft()
+        state = self._slots[slot]
+        state.allocated, state.listed, state.filled = True, False, False
+        state.epoch += 1
+        return slot
+
+    def _release(self, ids: list[int], what: str) -> None:
+        with self._lock:
+            for slot in ids:
+                state = self._slots[slot]
+                if not state.allocated:
+                    raise RuntimeError(f"double free of {what}={slot} (it is not allocated)")
+                if state.lock_ref:
+                    raise RuntimeError(
+                        f"free of locked {what}={slot} (lock_ref={state.lock_ref}); "
+                        f"dec_lock_ref it first"
+                    )
+            for slot in ids:
+                state = self._slots[slot]
+                state.allocated = state.filled = False
+                self._backups.pop(slot, None)
+                self._loads.pop(slot, None)
+                self._settle(slot)
+
+    def _settle(self, slot: int) -> None:
+        """Puts a freed slot on the free list once no copy touches its memory."""
+        state = self._slots[slot]
+        if not (state.allocated or state.listed or state.writers or state.readers):
+            self._host.drop(slot)
+            state.listed = True
+            self._free.append(slot)
+
+    def _current(self, slot: int, epoch: int) -> bool:
+        state = self._slots[slot]
+        return state.allocated and state.epoch == epoch
+
+    def _allocated(self, slot: int, name: str) -> _Slot:
+        state = self._slots[slot]
+        if not state.allocated:
+            raise RuntimeError(f"{name}: buffer_id={slot} is not allocated (alloc or reserve it)")
+        return state
+
+    def _log_full(self, need: int) -> None:
+        # At most once a second: a full pool is routine (the radix cache evicts, then retries).
+        now = time.monotonic()
+        if now - self._last_full_log >= 1.0:
+            self._last_full_log = now
+            logger.info(
+                "host pool %s: %d page(s) asked for, %d free of %d; the cache evicts to make room",
+                self._pool_name,
+                need,
+                len(self._free),
+                self._pool_size,
+            )
+
+    # ---- argument checks ---------------------------------------------------------------------
+
+    def _id(self, name: str, value) -> int:
+        return int_arg(name, value, low=0, high=self._pool_size - 1, expected=self._id_range())
+
+    def _id_range(self) -> str:
+        return f"a host page id in [0, {self._pool_size})"
+
+    def _ids(self, name: str, values, *, distinct: bool = True) -> list[int]:
+        ids = int_vector(name, values, "host page ids")
+        bad = ids[(ids < 0) | (ids >= self._pool_size)]
+        if bad.size:
+            raise ValueError(
+                f"{name}: expected host page ids in [0, {self._pool_size}), got {bad[0]}"
+            )
+        out = [int(i) for i in ids]
+        if distinct:
+            _check_distinct(name, out)
+        return out
+
+    def _device_pages(self, name: str, values, *, distinct: bool) -> np.ndarray:
+        pages = int_vector(name, values, "device page ids")
+        n = self._mover.pages
+        bad = pages[(pages < 0) | (pages >= n)]
+        if bad.size:
+            raise ValueError(
+                f"{name}: expected device page ids in [0, {n}) (the buffers' page axis), "
+                f"got {bad[0]}"
+            )
+        if distinct:
+            _check_distinct(name, pages.tolist())
+        return pages.astype(np.int64)
+
+
+def _check_same(name: str, value: int, what: str, expected: int, device_pool: Any) -> None:
+    if value != expected:
+        raise ValueError(
+            f"{name}: expected the device pool's {what} ({expected}, "
+            f"{type(device_pool).__name__}), got {value}"
+        )
+
+
+def _check_pairs(name_a: str, a, name_b: str, b) -> None:
+    if len(a) != len(b):
+        raise ValueError(
+            f"{name_a}, {name_b}: expected as many device pages as host ids, got {len(a)} and "
+            f"{len(b)}"
+        )
+
+
+def _check_distinct(name: str, values: list[int]) -> None:
+    seen: set[int] = set()
+    for value in values:
+        if value in seen:
+            raise ValueError(f"{name}: expected distinct ids, got {value} more than once")
+        seen.add(value)
+
+
+def _rows_of(chunks: list[Chunk]) -> list[tuple[Chunk, int]]:
+    """(chunk, row) of each page of `chunks`, in order."""
+    return [(chunk, row) for chunk in chunks for row in range(int(chunk[0].shape[0]))]
+
+
+def _by_chunk(keys: Iterable[int], staged: list[_Staged]):
+    """(chunk, keys, rows) for each chunk among `staged`, in first-seen order: the keys (as an
+    int64 array) whose pages sit in that chunk, and their rows in it."""
+    groups: dict[int, tuple[Chunk, list[int], list[int]]] = {}
+    for key, entry in zip(keys, staged):
+        group = groups.setdefault(id(entry.chunk), (entry.chunk, [], []))
+        group[1].append(key)
+        group[2].append(entry.row)
+    return [
+        (chunk, np.asarray(members, np.int64), np.asarray(rows, np.int64))
+        for chunk, members, rows in groups.values()
+    ]

@@ -1,0 +1,250 @@
+"""Whole pages between sglang-jax's per-layer KV buffers and batches of pages on the devices.
+
+sglang-jax keeps one buffer per layer whose axis 0 is the page: MHA's fused
+`(pages, page_size, 2H // packing, packing, head_dim)`, MLA's latent
+`(pages, rows, packing, width)`. Their `NamedSharding` spreads pages over the data ranks and
+(MHA) packed heads over the tensor axis. A batch of `c` pages is, per layer, `(c, *page)` with
+the page axis replicated and the rest of the buffer's spec kept: every device holds whole pages
+of its own share of the heads, so the host side reads and fills each device's part without a
+collective. Batches carry the pages' bits, as unsigned ints of the dtype's width (bfloat16
+as uint16): numpy and DLPack have no bfloat16 or float8, and bits move exactly.
+
+A transfer of `n` pages runs as chunks of the powers of two that add up to `n` (13 = 8 + 4 + 1),
+each one compiled call over all layers at an exact size: nothing is padded on the way to the
+host, and the compiled shapes are one per power of two whatever counts the cache asks for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+# A part of a page: the (start, stop) of each page axis that one device holds.
+PartKey = tuple[tuple[int, int], ...]
+Chunk = tuple[jax.Array, ...]  # per layer, (c, *page) on the batch sharding
+
+
+def chunk_sizes(n: int) -> list[int]:
+    """The powers of two adding up to `n`, largest first (`chunk_sizes(13) == [8, 4, 1]`)."""
+    return [1 << bit for bit in reversed(range(n.bit_length())) if n >> bit & 1]
+
+
+def _part_key(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> PartKey:
+    """The (start, stop) of each page axis of a shard's `index` in a batch (None: all)."""
+    full = (slice(None),) * len(shape)
+    return tuple(s.indices(dim)[:2] for s, dim in zip((index or full)[1:], shape[1:]))
+
+
+class PageMover:
+    """Compiled whole-page gathers and scatters over one device pool's per-layer buffers.
+
+    Built from the buffers as the pool holds them (all one shape, dtype and sharding); later
+    calls take the pool's current buffers, which the forward replaces every step with arrays
+    of the same type.
+
+    Attributes:
+        layers: the number of per-layer buffers.
+        pages: the length of the page axis (the usable pages plus the padding pages).
+        page_shape: one page of one layer, `buffer.shape[1:]`.
+        dtype: the buffers' dtype.
+        bits: the unsigned int dtype of its width, the dtype of batches.
+        batch_sharding: the sharding of a batch `(c, *page)`: pages replicated, the rest of
+            the buffers' spec kept.
+        placement: each addressable device and the part of a page it holds.
+        part_shapes: each part's shape (a page's shape, cut to what one device holds).
+    """
+
+    def __init__(self, buffers: Sequence[jax.Array]):
+        first = buffers[0]
+        sharding = first.sharding
+        if not isinstance(sharding, NamedSharding):
+            raise TypeError(
+                f"device_pool.kv_buffer[0]: expected an array on a NamedSharding (sglang-jax's "
+                f"pools shard over their mesh), got {type(sharding).__name__}"
+            )
+        self.layers = len(buffers)
+        self.pages = int(first.shape[0])
+        self.page_shape = tuple(int(d) for d in first.shape[1:])
+        self.dtype = first.dtype
+        self.bits = np.dtype(f"uint{8 * first.dtype.itemsize}")
+        self.buffer_sharding = sharding
+        spec = tuple(sharding.spec) + (None,) * (first.ndim - len(sharding.spec))
+        mesh = sharding.mesh
+        self.batch_sharding = NamedSharding(mesh, PartitionSpec(None, *spec[1:]))
+        self._index_sharding = NamedSharding(mesh, PartitionSpec())
+        # Explicit axes type every array by its sharding: gathers and scatters name theirs.
+        # Other meshes take the shardings from the compiled call's signature alone.
+        self._explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+        one = (1, *self.page_shape)
+        self.placement: dict[Any, PartKey] = {
+            dev: _part_key(index, one)
+            for dev, index in self.batch_sharding.addressable_devices_indices_map(one).items()
+        }
+        self.part_shapes: dict[PartKey, tuple[int, ...]] = {
+            key: tuple(stop - start for start, stop in key) for key in self.placement.values()
+        }
+        # The device each part is read from when a batch lands on the host (replicas agree).
+        self._reader: dict[PartKey, Any] = {}
+        for dev, key in self.placement.items():
+            self._reader.setdefault(key, dev)
+        self._signature = _Signature(
+            self.layers,
+            self.pages,
+            self.page_shape,
+            np.dtype(self.dtype),
+            self.bits,
+            sharding,
+            self.batch_sharding,
+            self._index_sharding,
+            self._explicit,
+        )
+
+    # ---- transfers ---------------------------------------------------------------------------
+
+    def gather(self, buffers: Sequence[jax.Array], pages: np.ndarray) -> list[Chunk]:
+        """The pages at `pages` (global page ids, in range) as chunks, in order."""
+        chunks, start = [], 0
+        for size in chunk_sizes(len(pages)):
+            index = self._index(pages[start : start + size])
+            chunks.append(self._executable("gather", size)(tuple(buffers), index))
+            start += size
+        return chunks
+
+    def scatter(
+        self, buffers: Sequence[jax.Array], chunk: Chunk, rows: np.ndarray, pages: np.ndarray
+    ) -> tuple[jax.Array, ...]:
+        """New buffers with rows `rows` of `chunk` written to the distinct pages `pages`.
+
+        The buffers are donated: the caller replaces them with the result. The call is
+        compiled at the chunk's size; the entries past `len(rows)` point past the page axis,
+        at distinct pages, and are dropped.
+        """
+        size = int(chunk[0].shape[0])
+        src = np.zeros(size, np.int32)
+        src[: len(rows)] = rows
+        dst = np.arange(self.pages, self.pages + size, dtype=np.int32)
+        dst[: len(pages)] = pages
+        return self._executable("scatter", size)(
+            tuple(buffers), tuple(chunk), self._index(src), self._index(dst)
+        )
+
+    def parts(self, chunk: Chunk) -> dict[PartKey, tuple[jax.Array, ...]]:
+        """Each part of `chunk`, per layer, as the single-device array one device holds."""
+        by_device = [{s.device: s.data for s in layer.addressable_shards} for layer in chunk]
+        return {key: tuple(layer[dev] for layer in by_device) for key, dev in self._reader.items()}
+
+    def assemble(self, per_device: Mapping[Any, Sequence[jax.Array]], size: int) -> Chunk:
+        """A chunk of `size` pages from each device's per-layer arrays of its part."""
+        shape = (size, *self.page_shape)
+        return tuple(
+            jax.make_array_from_single_device_arrays(
+                shape, self.batch_sharding, [arrays[layer] for arrays in per_device.values()]
+            )
+            for layer in range(self.layers)
+        )
+
+    def precompile(self, max_pages: int) -> list[int]:
+        """Compiles the gather and scatter of every chunk size a transfer of up to `max_pages`
+        pages uses; returns those sizes."""
+        sizes = [1 << bit for bit in range(max_pages.bit_length())]
+        for size in sizes:
+            self._executable("gather", size)
+            self._executable("scatter", size)
+        return sizes
+
+    # ---- compiled calls ----------------------------------------------------------------------
+
+    def _index(self, values: np.ndarray) -> jax.Array:
+        return jax.device_put(np.asarray(values, np.int32), self._index_sharding)
+
+    def _executable(self, kind: str, size: int):
+        return _executable(self._signature, kind, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Signature:
+    """What the compiled calls depend on: pools of one signature share them (every pool of
+    a server, and the many small ones of a test run)."""
+
+    layers: int
+    pages: int
+    page_shape: tuple[int, ...]
+    dtype: np.dtype
+    bits: np.dtype
+    buffer_sharding: NamedSharding
+    batch_sharding: NamedSharding
+    index_sharding: NamedSharding
+    explicit: bool
+
+
+_COMPILED: dict[tuple[_Signature, str, int], Any] = {}
+_COMPILE_LOCK = threading.Lock()  # the D2H and H2D threads may ask for the same call
+
+
+def _executable(sig: _Signature, kind: str, size: int):
+    key = (sig, kind, size)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        with _COMPILE_LOCK:
+            compiled = _COMPILED.get(key)
+            if compiled is None:
+                compiled = _COMPILED[key] = _compile(sig, kind, size)
+    return compiled
+
+
+def _compile(sig: _Signature, kind: str, size: int):
+    def spec(shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    buffers = tuple(
+        spec((sig.pages, *sig.page_shape), sig.dtype, sig.buffer_sharding)
+        for _ in range(sig.layers)
+    )
+    index = spec((size,), np.int32, sig.index_sharding)
+    if kind == "gather":
+        gather = jax.jit(
+            functools.partial(_gather_pages, sig), out_shardings=(sig.batch_sharding,) * sig.layers
+        )
+        return gather.lower(buffers, index).compile()
+    chunk = tuple(
+        spec((size, *sig.page_shape), sig.bits, sig.batch_sharding) for _ in range(sig.layers)
+    )
+    scatter = jax.jit(
+        functools.partial(_scatter_pages, sig),
+        donate_argnums=0,
+        out_shardings=(sig.buffer_sharding,) * sig.layers,
+    )
+    return scatter.lower(buffers, chunk, index, index).compile()
+
+
+def _take(sig: _Signature, x, index):
+    if sig.explicit:
+        return x.at[index].get(out_sharding=sig.batch_sharding)
+    return x[index]
+
+
+def _gather_pages(sig: _Signature, buffers, index):
+    return tuple(jax.lax.bitcast_convert_type(_take(sig, buf, index), sig.bits) for buf in buffers)
+
+
+def _scatter_pages(sig: _Signature, buffers, chunk, src, dst):
+    out = []
+    for buf, layer in zip(buffers, chunk):
+        rows = jax.lax.bitcast_convert_type(_take(sig, layer, src), sig.dtype)
+        # `dst` holds distinct pages (the pool checks the caller's; the padding is distinct and
+        # out of range), so the scatter declares unique indices.
+        update = buf.at[dst]
+        if sig.explicit:
+            out.append(
+                update.set(rows, mode="drop", unique_indices=True, out_sharding=sig.buffer_sharding)
+            )
+        else:
+            out.append(update.set(rows, mode="drop", unique_indices=True))
+    return tuple(out)

@@ -1,0 +1,615 @@
+"""jaxkv's `LRUHostKVPool` (HiCache's host tier) against sglang-jax's own device pools.
+
+Round trips on every kind of pool sglang-jax builds (MHA and MLA, bfloat16 and float32, heads
+over a tensor-parallel mesh, pages over two data ranks), in both kinds of host memory; the
+races of a slot freed and reused while a transfer of its old owner runs, driven through public
+methods only; the argument checks; and compilation ahead of serving. sglang-jax's own
+HiCache tests run against this class through the `hicache_on_jaxkv` plugin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import jax
+import numpy as np
+import pytest
+import sgljax_pools as sp
+from jax.sharding import PartitionSpec as P
+from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sgl_jax.srt.utils.mesh_utils import create_device_mesh
+
+from jaxkv.integrations.sglang_jax import LRUHostKVPool, _host_pool, _pages_on_host
+from jaxkv.integrations.sglang_jax._pages_on_device import chunk_sizes
+
+# Pools of every kind, small; `mha-bf16-p4-dp2` spreads its pages over two data ranks (a
+# padding page each), the way sglang-jax builds a pool for data-parallel attention.
+DP2 = dataclasses.replace(sp.BY_NAME["mha-bf16-p4"], name="mha-bf16-p4-dp2", dp=2, tp=2)
+POOLS = [
+    *(
+        sp.BY_NAME[name]
+        for name in (
+            "mha-bf16-p1",
+            "mha-f32-p4",
+            "mha-bf16-p16",
+            "mha-bf16-p4-tp2",
+            "mla-bf16-p4-lora512",
+            "mla-f32-p4-lora512",
+            "mla-bf16-p16-lora192",
+        )
+    ),
+    DP2,
+]
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+KINDS = {"arena": _pages_on_host.ArenaPages, "pinned": _pages_on_host.PinnedPages}
+
+
+@pytest.fixture(params=list(KINDS))
+def memory(request, monkeypatch):
+    """Each kind of host memory: the pool picks by platform, so on the CPU the pinned
+    segments (an accelerator's kind) are asked for here; CPU devices have pinned memory too."""
+    monkeypatch.setattr(_host_pool, "host_pages_for", KINDS[request.param])
+    return request.param
+
+
+def build(cfg):
+    """sglang-jax's pool of `cfg`; with data ranks, on the mesh its scheduler makes for
+    data-parallel attention (`dp` ranks over `tp` devices, `tp // dp` tensor shards each)."""
+    if cfg.dp == 1:
+        return sp.build(cfg)
+    mesh = create_device_mesh(
+        ici_parallelism=[cfg.dp, cfg.tp // cfg.dp],
+        dcn_parallelism=[1, 1],
+        devices=sp.devices(cfg.tp),
+        use_explicit_sharding=True,
+    )
+    return MHATokenToKVPool(
+        size=cfg.size,
+        page_size=cfg.page_size,
+        dtype=cfg.jnp_dtype,
+        head_num=cfg.head_num,
+        head_dim=cfg.head_dim,
+        layer_num=cfg.layer_num,
+        mesh=mesh,
+        dp_size=cfg.dp,
+    )
+
+
+def filled(cfg, rng):
+    """sglang-jax's pool of `cfg`, every entry random (and nonzero)."""
+    pool = build(cfg)
+    for layer, buf in enumerate(pool.kv_buffer):
+        values = sp.random_values(rng, buf.shape, buf.dtype)
+        pool.kv_buffer[layer] = jax.device_put(values, buf.sharding)
+    return pool
+
+
+def host_pool(device_pool, pool_size, **overrides):
+    """The host pool as sglang-jax's `init_hicache` makes it."""
+    args = dict(
+        device_pool=device_pool,
+        pool_size=pool_size,
+        page_size=device_pool.page_size,
+        layer_num=device_pool.layer_num,
+        per_layer_shape=tuple(int(d) for d in device_pool.kv_buffer[0].shape[1:]),
+        dtype=device_pool.dtype,
+        mesh=device_pool.mesh,
+        partition_spec=device_pool.kv_sharding.spec,
+    )
+    args.update(overrides)
+    return LRUHostKVPool(**args)
+
+
+def pages_bits(device_pool, pages):
+    """Per layer, the bits of device pages `pages`."""
+    return [sp.bits(buf)[list(pages)] for buf in device_pool.kv_buffer]
+
+
+def assert_pages(device_pool, pages, expected):
+    for layer, (got, want) in enumerate(zip(pages_bits(device_pool, pages), expected)):
+        np.testing.assert_array_equal(got, want, err_msg=f"layer {layer}")
+
+
+# ---- round trips ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=c.name) for c in POOLS])
+def test_round_trip_moves_whole_pages_bit_exact(cfg, rng, memory):
+    kv = filled(cfg, rng)
+    n_pages = kv.kv_buffer[0].shape[0]
+    sharding = [buf.sharding for buf in kv.kv_buffer]
+    count = min(7, n_pages // 2)  # 7 = 4 + 2 + 1: three chunks each way
+    order = rng.permutation(n_pages)
+    src, dst = order[:count].tolist(), order[count : 2 * count].tolist()
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    pool = host_pool(kv, pool_size=count + 1)
+    slots = [int(s) for s in pool.alloc(count)]
+
+    pool.copy_into(src, slots)
+    # Back in another order than they went out: slot k's page lands in dst[k].
+    back = rng.permutation(count)
+    pool.copy_to_device([slots[k] for k in back], [dst[k] for k in back])
+
+    for layer, buf in enumerate(kv.kv_buffer):
+        want = before[layer].copy()
+        want[dst] = before[layer][src]
+        np.testing.assert_array_equal(sp.bits(buf), want, err_msg=f"layer {layer}")
+        assert buf.sharding == sharding[layer]
+    # The slots keep their pages: a second load gives them again.
+    pool.copy_to_device(slots[:1], [src[0]])
+    assert_pages(kv, [src[0]], [b[[src[0]]] for b in before])
+
+
+def test_a_page_moves_with_its_heads_on_their_devices(rng, memory):
+    cfg = sp.BY_NAME["mha-bf16-p4-tp2"]
+    kv = filled(cfg, rng)
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    pool = host_pool(kv, pool_size=2)
+    slots = [int(s) for s in pool.alloc(2)]
+    pool.copy_into([1, 2], slots)
+    pool.copy_to_device(slots, [5, 6])
+    buf = kv.kv_buffer[0]
+    for shard in buf.addressable_shards:
+        heads = shard.index[2]
+        np.testing.assert_array_equal(
+            sp.bits(shard.data)[[5, 6]], before[0][[1, 2]][:, :, heads], err_msg=str(shard.device)
+        )
+
+
+def test_slots_backed_up_apart_load_together(rng, memory):
+    # Pages staged by separate backups (separate chunks in host memory) load in one call.
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    pool = host_pool(kv, pool_size=5)
+    slots = [int(s) for s in pool.alloc(5)]
+    pool.copy_into([1, 2, 3], slots[:3])
+    pool.copy_into([4, 5], slots[3:])
+    pool.copy_to_device(slots[::-1], [10, 11, 12, 13, 14])
+    assert_pages(kv, [10, 11, 12, 13, 14], [b[[5, 4, 3, 2, 1]] for b in before])
+
+
+def test_staged_load_flushes_in_parts(rng, memory):
+    # One stage_load, flushed in two calls and another order.
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    pool = host_pool(kv, pool_size=3)
+    slots = [int(s) for s in pool.alloc(3)]
+    pool.copy_into([1, 2, 3], slots)
+    pool.stage_load(slots)
+    pool.flush_load([slots[2]], [9])
+    pool.flush_load([slots[1], slots[0]], [8, 7])
+    assert_pages(kv, [7, 8, 9], [b[[1, 2, 3]] for b in before])
+    with pytest.raises(RuntimeError, match="stage_load must run first"):
+        pool.flush_load([slots[0]], [7])  # a staged page is flushed once
+
+
+def test_pages_outside_the_transfer_stay_as_they_were(rng, memory):
+    kv = filled(sp.BY_NAME["mha-bf16-p4"], rng)
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    pool = host_pool(kv, pool_size=3)
+    slots = [int(s) for s in pool.alloc(3)]
+    pool.copy_into([2, 3, 4], slots)
+    pool.copy_to_device(slots, [8, 9, 10])
+    untouched = [p for p in range(kv.kv_buffer[0].shape[0]) if p not in (8, 9, 10)]
+    assert_pages(kv, untouched, [b[untouched] for b in before])
+
+
+# ---- a slot freed and reused while its old owner's transfer runs ----------------------------
+
+
+class _Hooked:
+    """A device pool whose `kv_buffer` runs `hook` once, the next time it is read: the seam
+    a test has into the moment a transfer reads the device buffers."""
+
+    def __init__(self, pool):
+        self._pool, self.hook = pool, None
+
+    @property
+    def kv_buffer(self):
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return self._pool.kv_buffer
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
+def test_slot_reused_during_a_gather_gets_nothing_of_it(rng, memory):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    hooked = _Hooked(kv)
+    pool = host_pool(hooked, pool_size=1)  # one slot: a free and an alloc hand back the same
+    [slot] = pool.alloc(1)
+    reused = []
+
+    def free_and_reuse():
+        pool.free([slot])
+        reused.extend(pool.alloc(1))
+
+    hooked.hook = free_and_reuse
+    pool.stage_backup([3], [slot])  # the hook runs while the gather reads the buffers
+
+    assert reused == [slot]
+    with pytest.raises(RuntimeError, match="nothing staged"):
+        pool.flush_backup([slot])
+    with pytest.raises(RuntimeError, match="holds no page"):
+        pool.stage_load([slot])
+    # The new owner's own page goes and comes back intact.
+    before = pages_bits(kv, [5])
+    pool.copy_into([5], [slot])
+    pool.copy_to_device([slot], [9])
+    assert_pages(kv, [9], before)
+
+
+def test_backup_staged_before_a_free_is_never_published(rng, memory):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=1)
+    [slot] = pool.alloc(1)
+    pool.stage_backup([3], [slot])
+    pool.free([slot])
+    assert list(pool.alloc(1)) == [slot]
+    with pytest.raises(RuntimeError, match="nothing staged"):
+        pool.flush_backup([slot])
+    with pytest.raises(RuntimeError, match="holds no page"):
+        pool.stage_load([slot])
+
+
+def test_load_staged_before_a_free_is_never_scattered(rng, memory):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=1)
+    [slot] = pool.alloc(1)
+    pool.copy_into([3], [slot])
+    pool.stage_load([slot])
+    pool.free([slot])
+    assert list(pool.alloc(1)) == [slot]
+    pool.copy_into([4], [slot])  # the new owner's page
+    before = pages_bits(kv, [9])
+    with pytest.raises(RuntimeError, match="stage_load must run first"):
+        pool.flush_load([slot], [9])
+    assert_pages(kv, [9], before)
+
+
+class _Gated:
+    """Host memory whose copies into and out of slots (`keep`, `fetch`) wait at a gate the
+    test opens: the seam into the moment a worker's transfer is halfway."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.copying = threading.Event()  # a copy reached the gate
+        self.gate = threading.Event()
+
+    def _wait(self):
+        self.copying.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+
+    def keep(self, slots, landed, rows):
+        self._wait()
+        self._inner.keep(slots, landed, rows)
+
+    def fetch(self, slots):
+        self._wait()
+        return self._inner.fetch(slots)
+
+    def __getattr__(self, name):  # land, drop, warm
+        return getattr(self._inner, name)
+
+
+@pytest.fixture
+def gated(memory, monkeypatch):
+    made: list[_Gated] = []
+
+    def make(slots, mover):
+        made.append(_Gated(KINDS[memory](slots, mover)))
+        return made[-1]
+
+    monkeypatch.setattr(_host_pool, "host_pages_for", make)
+    yield made
+    for g in made:
+        g.gate.set()
+
+
+def _halfway(host, transfer, *args):
+    """Runs `transfer(*args)` on a worker thread until its copy waits at the gate."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            transfer(*args)
+        except BaseException as err:  # reported by the test through `errors`
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert host.copying.wait(30), "the transfer never reached its copy"
+    return thread, errors
+
+
+@pytest.mark.parametrize("phase", ["flush_backup", "stage_load"])
+def test_a_slot_freed_during_its_copy_is_handed_out_only_after_it(rng, gated, phase):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=2)
+    [host] = gated
+    slots = [int(s) for s in pool.alloc(2)]
+    if phase == "flush_backup":
+        pool.stage_backup([1, 2], slots)
+    else:
+        host.gate.set()
+        pool.copy_into([1, 2], slots)
+        host.gate.clear()
+        host.copying.clear()
+    thread, errors = _halfway(host, getattr(pool, phase), slots)
+
+    pool.free(slots)  # the scheduler frees while the worker copies
+    assert pool.available_size() == 0
+    assert pool.alloc(1) is None  # not while the copy runs
+    host.gate.set()
+    thread.join()
+    assert errors == []  # the copy finished; it published nothing for the freed slots
+    assert pool.available_size() == 2
+    again = [int(s) for s in pool.alloc(2)]
+    assert sorted(again) == sorted(slots)
+    with pytest.raises(RuntimeError, match="holds no page"):
+        pool.stage_load(again)
+    with pytest.raises(RuntimeError, match="nothing staged"):
+        pool.flush_load(again, [9, 10])
+
+
+@pytest.mark.parametrize("phase", ["flush_backup", "stage_load"])
+def test_a_copy_in_and_a_copy_out_of_one_slot_never_overlap(rng, gated, phase):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=1)
+    [host] = gated
+    [slot] = [int(s) for s in pool.alloc(1)]
+    host.gate.set()
+    pool.copy_into([1], [slot])
+    pool.stage_backup([2], [slot])
+    host.gate.clear()
+    host.copying.clear()
+    old, new = pages_bits(kv, [1]), pages_bits(kv, [2])
+    if phase == "flush_backup":
+        thread, errors = _halfway(host, pool.flush_backup, [slot])
+        with pytest.raises(RuntimeError, match="being written by flush_backup"):
+            pool.stage_load([slot])
+    else:
+        thread, errors = _halfway(host, pool.stage_load, [slot])
+        with pytest.raises(RuntimeError, match="being read by stage_load"):
+            pool.flush_backup([slot])
+    host.gate.set()
+    thread.join()
+    assert errors == []
+    if phase == "stage_load":  # the refused backup is still staged; the load read the old page
+        pool.flush_load([slot], [9])
+        assert_pages(kv, [9], old)
+        pool.flush_backup([slot])
+    pool.copy_to_device([slot], [10])
+    assert_pages(kv, [10], new)
+
+
+@pytest.mark.parametrize("phase", ["flush_backup", "stage_load"])
+def test_free_during_a_transfer_on_another_thread_never_mixes_owners(rng, memory, phase):
+    # The controller runs flush_backup and stage_load on its worker while the radix cache
+    # frees slots on the scheduler thread. Whatever the interleaving, the slot's next owner
+    # reads back its own page, and the worker's transfer either completes for the old owner
+    # or finds nothing to do.
+    kv = filled(sp.BY_NAME["mha-f32-p16"], rng)
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    pool = host_pool(kv, pool_size=8)
+    old, new, dst = [1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18], list(range(30, 38))
+    for _ in range(8):
+        slots = [int(s) for s in pool.alloc(8)]
+        if phase == "flush_backup":
+            pool.stage_backup(old, slots)
+            transfer = pool.flush_backup
+        else:
+            pool.copy_into(old, slots)
+            transfer = pool.stage_load
+        errors: list[RuntimeError] = []
+
+        def worker(transfer=transfer, slots=slots, errors=errors):
+            try:
+                transfer(slots)
+            except RuntimeError as err:  # the free came first: nothing left to transfer
+                errors.append(err)
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        pool.free(slots)
+        again, deadline = None, time.monotonic() + 30
+        while again is None:  # a slot under a running copy is not handed out again
+            assert time.monotonic() < deadline, "freed slots never came back"
+            time.sleep(0.0002)
+            again = pool.alloc(8)
+        thread.join()
+        assert sorted(int(s) for s in again) == sorted(slots)
+        pool.copy_into(new, [int(s) for s in again])
+        pool.copy_to_device([int(s) for s in again], dst)
+        assert_pages(kv, dst, [b[new] for b in before])
+        pool.free([int(s) for s in again])
+        assert pool.available_size() == 8
+
+
+def test_a_staged_load_keeps_the_page_it_read(rng, memory):
+    # A backup flushed into a slot after its load was staged replaces the slot's page; the
+    # staged load still scatters the page it read.
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=1)
+    [slot] = pool.alloc(1)
+    old, new = pages_bits(kv, [3]), pages_bits(kv, [4])
+    pool.copy_into([3], [slot])
+    pool.stage_load([slot])
+    pool.copy_into([4], [slot])
+    pool.flush_load([slot], [9])
+    assert_pages(kv, [9], old)
+    pool.copy_to_device([slot], [10])
+    assert_pages(kv, [10], new)
+
+
+# ---- slots ---------------------------------------------------------------------------------
+
+
+def test_alloc_and_free_are_all_or_nothing(rng):
+    pool = host_pool(filled(sp.BY_NAME["mha-f32-p4"], rng), pool_size=4)
+    a = [int(s) for s in pool.alloc(3)]
+    assert pool.alloc(2) is None
+    assert pool.available_size() == 1
+    pool.inc_lock_ref(a[1])
+    with pytest.raises(RuntimeError, match="locked"):
+        pool.free(a)
+    assert pool.available_size() == 1  # nothing freed
+    pool.dec_lock_ref(a[1])
+    pool.free([a[0], a[0], a[2]])  # repeats count once
+    assert pool.available_size() == 3
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([a[1], a[0]])
+    assert pool.available_size() == 3
+    with pytest.raises(ValueError, match="need_pages"):
+        pool.alloc(0)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p, s: p.stage_backup([1, 2], [s]), "as many device pages as host ids, got 2 and 1"),
+        (lambda p, s: p.stage_backup([1], [s, s]), "distinct"),
+        (lambda p, s: p.stage_backup([99], [s]), r"device page ids in \[0, 21\)"),
+        (lambda p, s: p.flush_load([s], [-1]), r"device page ids in \[0, 21\)"),
+        (lambda p, s: p.copy_into([1], [7]), r"host page ids in \[0, 2\)"),
+        (lambda p, s: p.release(2), r"host page id in \[0, 2\)"),
+        (lambda p, s: p.inc_lock_ref(-1), r"host page id in \[0, 2\)"),
+    ],
+)
+def test_bad_ids_raise_naming_the_argument(rng, call, match):
+    pool = host_pool(filled(sp.BY_NAME["mha-f32-p4"], rng), pool_size=2)
+    [slot] = pool.alloc(1)
+    with pytest.raises(ValueError, match=match):
+        call(pool, int(slot))
+
+
+def test_flush_load_refuses_one_device_page_twice(rng):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=2)
+    slots = [int(s) for s in pool.alloc(2)]
+    pool.copy_into([1, 2], slots)
+    pool.stage_load(slots)
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    with pytest.raises(ValueError, match="device_indices: expected distinct"):
+        pool.flush_load(slots, [5, 5])
+    for got, want in zip(kv.kv_buffer, before):
+        np.testing.assert_array_equal(sp.bits(got), want)
+    pool.flush_load(slots, [5, 6])  # still staged: the refusal took nothing
+
+
+# ---- construction --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"pool_size": 0}, "pool_size: expected a positive int, got 0"),
+        ({"layer_num": 3}, r"layer_num: expected the device pool's layer count \(2"),
+        ({"page_size": 8}, r"page_size: expected the device pool's page_size \(4"),
+        # Heads replicated, where the pool splits them over the tensor axis.
+        ({"partition_spec": P("data", None, None, None, None)}, "mesh, partition_spec"),
+    ],
+)
+def test_arguments_that_contradict_the_device_pool_raise(rng, overrides, match):
+    kv = filled(sp.BY_NAME["mha-bf16-p4-tp2"], rng)
+    with pytest.raises(ValueError, match=match):
+        host_pool(kv, **{"pool_size": 2, **overrides})
+
+
+def test_a_page_shape_unlike_the_device_pools_is_logged_and_not_used(rng, caplog):
+    # sglang-jax's pool only records per_layer_shape and dtype (its own tests pass one that
+    # is not the device pool's); the device pool's buffers are what a transfer moves.
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    with caplog.at_level(logging.WARNING):
+        pool = host_pool(kv, pool_size=1, per_layer_shape=(8,))
+    assert "per_layer_shape, dtype: the device pool's pages are float32[4, 4, 1, 128]" in (
+        caplog.text
+    )
+    before = pages_bits(kv, [2])
+    [slot] = pool.alloc(1)
+    pool.copy_into([2], [slot])
+    pool.copy_to_device([slot], [3])
+    assert_pages(kv, [3], before)
+
+
+def test_buffers_off_a_named_sharding_are_refused(rng):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    single = jax.sharding.SingleDeviceSharding(sp.devices(1)[0])
+
+    class Unsharded:
+        page_size, layer_num, dtype, mesh, kv_sharding = (
+            kv.page_size,
+            kv.layer_num,
+            kv.dtype,
+            kv.mesh,
+            kv.kv_sharding,
+        )
+        kv_buffer = [jax.device_put(np.asarray(b), single) for b in kv.kv_buffer]
+
+    with pytest.raises(TypeError, match=r"kv_buffer\[0\]: expected an array on a NamedSharding"):
+        host_pool(Unsharded(), pool_size=1)
+
+
+# ---- compilation ---------------------------------------------------------------------------
+
+
+def test_chunk_sizes_are_the_powers_of_two_of_the_count():
+    for n in range(130):
+        sizes = chunk_sizes(n)
+        assert sum(sizes) == n
+        assert sizes == sorted(set(sizes), reverse=True)
+        assert all(s & (s - 1) == 0 for s in sizes)
+
+
+def test_precompiled_transfers_compile_nothing_while_serving(rng, memory, caplog):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=7)
+    pool.precompile_transfers()
+    assert pool.available_size() == 7  # it moves no page and holds no slot
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        caplog.clear()
+        for count in range(1, 8):
+            slots = [int(s) for s in pool.alloc(count)]
+            pool.copy_into(list(range(1, count + 1)), slots)
+            pool.copy_to_device(slots, list(range(10, 10 + count)))
+            pool.free(slots)
+    compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+    assert compiles == []
+
+
+# ---- packaging -----------------------------------------------------------------------------
+
+
+def test_jaxkv_imports_no_sglang_jax():
+    # Without sglang-jax on the path: `import jaxkv` and the integration package work, and
+    # reaching the class says what is missing.
+    code = (
+        "import sys, jaxkv, jaxkv.integrations.sglang_jax as m\n"
+        "assert 'sgl_jax' not in sys.modules, 'imported sglang-jax'\n"
+        "try:\n"
+        "    m.LRUHostKVPool\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": root}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "subclasses sglang-jax's HostKVPool" in out.stdout
