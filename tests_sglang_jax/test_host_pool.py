@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import sgljax_pools as sp
 from jax.sharding import PartitionSpec as P
+from sgl_jax.srt.mem_cache.host_kv_pool import HostKVPool
 from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sgl_jax.srt.utils.mesh_utils import create_device_mesh
 
@@ -590,6 +591,30 @@ def test_precompiled_transfers_compile_nothing_while_serving(rng, memory, caplog
             pool.free(slots)
     compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
     assert compiles == []
+
+
+def test_it_is_sglang_jaxs_host_pool(rng):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=1)
+    assert isinstance(pool, HostKVPool)
+    [slot] = pool.alloc(1)
+    # Prefill-decode handoff is the other host pool's job, as in sglang-jax's own.
+    with pytest.raises(NotImplementedError):
+        pool.copy_from_device(list(kv.kv_buffer), int(slot))
+
+
+def test_the_last_page_of_the_buffers_is_a_device_page(rng):
+    # The page axis holds the padding pages too: its last page is valid, one past is not.
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    top = kv.kv_buffer[0].shape[0] - 1
+    pool = host_pool(kv, pool_size=1)
+    [slot] = pool.alloc(1)
+    before = pages_bits(kv, [top])
+    pool.copy_into([top], [slot])
+    pool.copy_to_device([slot], [1])
+    assert_pages(kv, [1], before)
+    with pytest.raises(ValueError, match=rf"device page ids in \[0, {top + 1}\) .*, got {top + 1}"):
+        pool.stage_backup([top + 1], [slot])
 
 
 # ---- packaging -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -39,15 +40,6 @@ import numpy as np
 from jaxkv._checks import int_arg, int_vector
 from jaxkv.integrations.sglang_jax._pages_on_device import Chunk, PageMover, chunk_sizes
 from jaxkv.integrations.sglang_jax._pages_on_host import host_pages_for
-
-try:
-    from sgl_jax.srt.mem_cache.host_kv_pool import HostKVPool
-except ImportError as err:  # pragma: no cover - exercised without sglang-jax only
-    raise ImportError(
-        "jaxkv.integrations.sglang_jax.LRUHostKVPool subclasses sglang-jax's HostKVPool "
-        "(sgl_jax.srt.mem_cache.host_kv_pool), which could not be imported: put sglang-jax's "
-        f"python/ folder on PYTHONPATH or install it ({err})"
-    ) from err
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +63,40 @@ class _Staged(NamedTuple):
     row: int
 
 
-class LRUHostKVPool(HostKVPool):
+@functools.cache
+def lru_host_kv_pool() -> type:
+    """`HiCacheHostPool` as a subclass of sglang-jax's `HostKVPool` ABC: the class
+    `jaxkv.integrations.sglang_jax.LRUHostKVPool` names, made once, when first asked for (so
+    importing jaxkv never imports sglang-jax).
+
+    Raises:
+        ImportError: sglang-jax cannot be imported.
+    """
+    try:
+        from sgl_jax.srt.mem_cache.host_kv_pool import HostKVPool
+    except ImportError as err:
+        raise ImportError(
+            "jaxkv.integrations.sglang_jax.LRUHostKVPool subclasses sglang-jax's HostKVPool "
+            "(sgl_jax.srt.mem_cache.host_kv_pool), which could not be imported: put "
+            f"sglang-jax's python/ folder on PYTHONPATH or install it ({err})"
+        ) from err
+
+    # The implementation comes first, so its methods are the ones the ABC sees.
+    class LRUHostKVPool(HiCacheHostPool, HostKVPool):
+        __doc__ = HiCacheHostPool.__doc__
+
+    LRUHostKVPool.__module__ = "jaxkv.integrations.sglang_jax"
+    LRUHostKVPool.__qualname__ = "LRUHostKVPool"
+    return LRUHostKVPool
+
+
+class HiCacheHostPool:
     """HiCache's host pool, with the constructor and behaviour of sglang-jax's
     `LRUHostKVPool`, holding pages in jaxkv's host memory.
+
+    Used as `jaxkv.integrations.sglang_jax.LRUHostKVPool`, this class with sglang-jax's
+    `HostKVPool` ABC for a base (its `copy_from_device`, for prefill-decode handoff, raises
+    `NotImplementedError`, as in sglang-jax's own pool).
 
     `pool_size` slots of one device page each (all layers). On CPU devices the pages live in a
     host arena allocated and touched at construction; on accelerators in the pinned host
@@ -105,16 +128,6 @@ class LRUHostKVPool(HostKVPool):
             `partition_spec` not those of the device pool; buffers of different shapes,
             dtypes or shardings.
         TypeError: buffers not on a `NamedSharding`.
-
-    Example (the wiring sglang-jax's `init_hicache` does):
-
-        pool = LRUHostKVPool(
-            device_pool=kv, pool_size=1024, page_size=kv.page_size, layer_num=kv.layer_num,
-            per_layer_shape=tuple(kv.kv_buffer[0].shape[1:]), dtype=kv.dtype, mesh=mesh,
-            partition_spec=kv.kv_sharding.spec)
-        [slot] = pool.alloc(1)
-        pool.copy_into([3], [slot])       # device page 3 to the host
-        pool.copy_to_device([slot], [7])  # and back, into device page 7
     """
 
     def __init__(

@@ -89,10 +89,6 @@ class ArenaPages:
             rows.reshape(-1).view(np.uint8)[::_TOUCH] = 0
             self._rows[key] = rows
 
-    @property
-    def nbytes(self) -> int:
-        return sum(rows.nbytes for rows in self._rows.values())
-
     def land(self, parts):
         return Landed({key: [to_host(x) for x in layers] for key, layers in parts.items()})
 
@@ -100,7 +96,7 @@ class ArenaPages:
         for key, layers in landed.views.items():
             dst = self._rows[key]
             for layer, src in enumerate(layers):
-                dst[layer, slots] = src[rows]
+                dst[layer, slots] = _rows_of(src, rows)
 
     def fetch(self, slots):
         out = {}
@@ -128,18 +124,25 @@ class ArenaPages:
         return jax.device_put(np.take(rows, slots, axis=0), dev)
 
 
+def _rows_of(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """`x[rows]`, without a copy when `rows` is all of `x` in order (a whole chunk)."""
+    if len(rows) == len(x) and np.array_equal(rows, np.arange(len(x))):
+        return x
+    return x[rows]
+
+
 def _xla_owned(shape: tuple[int, ...], dtype, dev) -> jax.Array:
     """A new zeroed array of XLA's own memory on `dev` (one compiled fill per shape)."""
     return jnp.zeros(shape, dtype, device=dev)
 
 
 class _Segment:
-    """One landed chunk in pinned host memory: the pinned arrays and their host views."""
+    """One landed chunk in pinned host memory, as host views per part and layer (each view
+    holds its pinned array, so the memory lives as long as the segment)."""
 
-    __slots__ = ("arrays", "views")
+    __slots__ = ("views",)
 
-    def __init__(self, arrays: dict[PartKey, list[jax.Array]]):
-        self.arrays = arrays
+    def __init__(self, arrays: Mapping[PartKey, Sequence[jax.Array]]):
         self.views = {key: [host_view(a) for a in layers] for key, layers in arrays.items()}
 
 
@@ -190,7 +193,7 @@ class PinnedPages:
             ) as staging:
                 for segment, positions, rows in groups.values():
                     for layer, dst in enumerate(staging.host):
-                        dst[positions] = segment.views[key][layer][rows]
+                        dst[positions] = _rows_of(segment.views[key][layer], np.asarray(rows))
                 arrays = staging.on_device(self._anchors[dev])
                 out[dev] = tuple(jax.block_until_ready(arrays))  # before the staging is reused
         return out
