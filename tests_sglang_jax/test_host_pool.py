@@ -399,6 +399,27 @@ def test_a_copy_in_and_a_copy_out_of_one_slot_never_overlap(rng, gated, phase):
     assert_pages(kv, [10], new)
 
 
+def test_two_backups_into_one_slot_never_overlap(rng, gated):
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=1)
+    [host] = gated
+    [slot] = [int(s) for s in pool.alloc(1)]
+    first = pages_bits(kv, [1])
+    pool.stage_backup([1], [slot])
+    thread, errors = _halfway(host, pool.flush_backup, [slot])
+    pool.stage_backup([2], [slot])
+    with pytest.raises(RuntimeError, match="being written by flush_backup"):
+        pool.flush_backup([slot])
+    host.gate.set()
+    thread.join()
+    assert errors == []
+    pool.copy_to_device([slot], [9])
+    assert_pages(kv, [9], first)
+    pool.flush_backup([slot])  # the refused one is still staged
+    pool.copy_to_device([slot], [10])
+    assert_pages(kv, [10], pages_bits(kv, [2]))
+
+
 @pytest.mark.parametrize("phase", ["flush_backup", "stage_load"])
 def test_free_during_a_transfer_on_another_thread_never_mixes_owners(rng, memory, phase):
     # The controller runs flush_backup and stage_load on its worker while the radix cache

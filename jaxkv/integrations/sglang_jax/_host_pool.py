@@ -58,7 +58,6 @@ class _Slot:
 class _Staged(NamedTuple):
     """A slot's page between the two phases of a move: row `row` of a chunk on the devices."""
 
-    epoch: int
     chunk: Chunk
     row: int
 
@@ -285,7 +284,7 @@ class HiCacheHostPool:
         with self._lock:
             for slot, epoch, (chunk, row) in zip(ids, epochs, staged):
                 if self._current(slot, epoch):
-                    self._backups[slot] = _Staged(epoch, chunk, row)
+                    self._backups[slot] = _Staged(chunk, row)
 
     def flush_backup(self, host_buffer_ids: list[int]) -> None:
         """Phase 2 of a backup: puts the pages staged for the slots into host memory.
@@ -296,7 +295,8 @@ class HiCacheHostPool:
         Raises:
             ValueError: an id out of range, or repeated.
             RuntimeError: nothing staged for a slot (`stage_backup` first), or a slot being
-                read by `stage_load` right now. Nothing is flushed then.
+                read by `stage_load` or written by another `flush_backup` right now. Nothing is
+                flushed then.
         """
         ids = self._ids("host_buffer_ids", host_buffer_ids)
         if not ids:
@@ -308,10 +308,10 @@ class HiCacheHostPool:
                         f"flush_backup: nothing staged for host buffer_id={slot}; "
                         f"stage_backup must run first (or the slot was freed since)"
                     )
-                if self._slots[slot].readers:
-                    raise RuntimeError(
-                        f"flush_backup: host buffer_id={slot} is being read by stage_load"
-                    )
+                state = self._slots[slot]
+                if state.readers or state.writers:
+                    doing = "read by stage_load" if state.readers else "written by flush_backup"
+                    raise RuntimeError(f"flush_backup: host buffer_id={slot} is being {doing}")
             staged = [self._backups.pop(slot) for slot in ids]
             for slot in ids:
                 state = self._slots[slot]
@@ -388,7 +388,7 @@ class HiCacheHostPool:
                     self._settle(slot)
                 for slot, epoch, (chunk, row) in zip(ids, epochs, _rows_of(chunks) if done else []):
                     if self._current(slot, epoch):
-                        self._loads[slot] = _Staged(epoch, chunk, row)
+                        self._loads[slot] = _Staged(chunk, row)
 
     def flush_load(self, host_buffer_ids: list[int], device_indices: list[int]) -> None:
         """Phase 2 of a load: scatters the pages staged for the slots into the device pages,
