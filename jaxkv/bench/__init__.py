@@ -4,10 +4,10 @@ Every comparison runs its contenders alternately (one call of each per round) an
 medians, so a slow moment of the machine hits all of them alike. The sections (`SECTIONS`, in
 the order they run and print): pool updates, connector transfers, store tiers (host, disk,
 Redis), a head-sharded pool on 8 devices, block hashing, the allocators, the prefix cache
-against SGLang's, `store_async`, and the reference decoder's serving steps. Then every
-performance target, with its value and limit (`_targets.TARGETS`); `--check` makes a missed
-target the exit status. `--json` writes every figure and target; `--plot` draws update time
-against pool size.
+against SGLang's, sglang-jax's HiCache host pool against jaxkv's, `store_async`, and the
+reference decoder's serving steps. Then every performance target, with its value and limit
+(`_targets.TARGETS`); `--check` makes a missed target the exit status. `--json` writes every
+figure and target; `--plot` draws update time against pool size.
 
 Sizes: `FULL` (the default run), `QUICK` (`--quick`, a laptop's first run), `TINY` (every
 section and target in seconds, for tests of the bench: its figures say nothing about
@@ -30,6 +30,7 @@ from jaxkv.bench import (
     _radix,
     _remote,
     _serving,
+    _sglang_jax,
     _sharded,
     _updates,
 )
@@ -50,6 +51,7 @@ SECTIONS: list[Section] = [
     _hashing.SECTION,
     _allocators.SECTION,
     _radix.SECTION,
+    _sglang_jax.SECTION,
     _connector.ASYNC,
     _serving.SECTION,
 ]

@@ -130,6 +130,28 @@ TARGETS: dict[str, Target] = {
         "Measured only where SGLang imports.",
         at_least=True,
     ),
+    "sglang_jax.host.backup": Target(
+        1.0,
+        1.0,
+        "sglang-jax's HiCache host pool and jaxkv's on the same stream (64 pages of 16 tokens "
+        "in --quick, 256 in the full run, MHA bf16, 4 layers of 8x128): backing pages up to "
+        "host memory is a device gather and a copy to the host, which jaxkv's pool must do no "
+        "slower than sglang-jax's own. Measured only where sglang-jax imports.",
+        at_least=True,
+    ),
+    "sglang_jax.host.load": Target(
+        1.0, 1.0, "As for backups, loading the pages back into other device pages.", at_least=True
+    ),
+    "sglang_jax.host.backup.memcpy": Target(
+        0.5,
+        0.5,
+        "On CPU a backup copies the pages' bytes from the device buffers (host memory) into the "
+        "host pool once: at least half a memcpy of the same bytes.",
+        at_least=True,
+    ),
+    "sglang_jax.host.load.memcpy": Target(
+        0.5, 0.5, "As for backups, one copy back into the device buffers.", at_least=True
+    ),
     "async.return": Target(
         1.5,
         1.5,
