@@ -5,7 +5,9 @@ Freed pages wait in a release list and are merged into the free list, sorted, at
 SGLang's `need_sort` allocator merges them (`alloc` short of pages, `alloc_extend` when its upper
 bound on new pages exceeds the free list, `alloc_decode` when the batch does), so a scheduler
 ported from SGLang sees the same slots in the same order. Unlike SGLang, a page freed twice is
-never listed twice.
+never listed twice. The release list is kept as the arrays each `free` released, joined only
+when it is merged or snapshotted: its order never matters (a merge sorts it), and a `free`
+then costs what it frees, not what waits.
 
 Example:
     >>> a = PagedAllocator(size=16, page_size=4)
@@ -81,26 +83,41 @@ class _PageFreeList:
                 f"{-(-self.size // self.page_size) * self.page_size})"
             )
         self.num_pages = self.size // self.page_size
+        # Scratch for `free`'s de-duplication: read only where the same call wrote it, so it
+        # is never reset, copied or restored.
+        self._last_seen = np.zeros(self.num_pages + 1, np.int64)
         self.clear()
 
     def clear(self) -> None:
         """Frees everything: pages are handed out in ascending order again."""
         self._free = np.arange(1, self.num_pages + 1, dtype=np.int64)
-        self._release = np.zeros(0, np.int64)
+        self._set_released(np.zeros(0, np.int64))
         self._is_free = np.ones(self.num_pages + 1, bool)
         self._is_free[0] = False
 
+    def _set_released(self, pages: np.ndarray) -> None:
+        """Makes `pages` the whole release list (`_released` holds its parts, in the order
+        they were freed; `_n_released` counts their pages)."""
+        self._released: list[np.ndarray] = [pages] if pages.size else []
+        self._n_released = pages.size
+
+    def _release_list(self) -> np.ndarray:
+        """The release list as one array (its parts joined, and kept joined)."""
+        if len(self._released) > 1:
+            self._released = [np.concatenate(self._released)]
+        return self._released[0] if self._released else np.zeros(0, np.int64)
+
     def available_size(self) -> int:
         """Free tokens (whole free pages times the page size)."""
-        return (self._free.size + self._release.size) * self.page_size
+        return (self._free.size + self._n_released) * self.page_size
 
     def _merge_if_short(self, bound: int) -> None:
         """SGLang's `merge_and_sort_free`: when the free list holds fewer than `bound` pages,
         released pages are merged into it, sorted. The bound differs per call (see callers);
         matching it is what keeps slot order equal to SGLang's after frees."""
-        if bound > self._free.size and self._release.size:
-            self._free = np.sort(np.concatenate([self._free, self._release]))
-            self._release = np.zeros(0, np.int64)
+        if bound > self._free.size and self._n_released:
+            self._free = np.sort(np.concatenate([self._free, *self._released]))
+            self._set_released(np.zeros(0, np.int64))
 
     def _take_pages(self, n: int, merge_bound: int | None = None) -> np.ndarray | None:
         """The first `n` free pages, merging released pages first when the free list holds
@@ -148,11 +165,19 @@ class _PageFreeList:
             ValueError: `free_index` has two or more dimensions, or values past int64.
         """
         slots = _int_vector("free_index", free_index)
-        slots = slots[(slots >= self.page_size) & (slots < (self.num_pages + 1) * self.page_size)]
-        pages = np.unique(slots // self.page_size)
+        pages = slots // self.page_size if self.page_size > 1 else slots
+        pages = pages[(pages >= 1) & (pages <= self.num_pages)]
         pages = pages[~self._is_free[pages]]
-        self._is_free[pages] = True
-        self._release = np.concatenate([self._release, pages])
+        if pages.size > 1:
+            # Each page once (a page's slots, or a slot given twice), in linear time: of the
+            # indices written for a page, one remains, and only at that index is it read back.
+            order = np.arange(pages.size)
+            self._last_seen[pages] = order
+            pages = pages[self._last_seen[pages] == order]
+        if pages.size:
+            self._is_free[pages] = True
+            self._released.append(pages)
+            self._n_released += pages.size
 
     def backup_state(self) -> AllocatorState:
         """A snapshot of the free lists (a copy: later calls do not change it).
@@ -160,7 +185,7 @@ class _PageFreeList:
         Returns:
             An opaque state for `restore_state`.
         """
-        return (self._free.copy(), self._release.copy(), self._is_free.copy())
+        return (self._free.copy(), self._release_list().copy(), self._is_free.copy())
 
     def restore_state(self, state: AllocatorState) -> None:
         """Puts back the free lists of a `backup_state` snapshot (copying it, so one snapshot
@@ -170,7 +195,8 @@ class _PageFreeList:
             state: what `backup_state` returned, on an allocator of the same size.
         """
         free, release, is_free = state
-        self._free, self._release, self._is_free = free.copy(), release.copy(), is_free.copy()
+        self._free, self._is_free = free.copy(), is_free.copy()
+        self._set_released(release.copy())
 
 
 class TokenAllocator(_PageFreeList):
