@@ -50,8 +50,9 @@ __all__ = ["RadixCache", "PrefixMatch"]
 WRITE_POLICIES = ("write_back", "write_through", None)
 
 # Tokens compared in the first vectorised step along an edge, doubled at each further step: a
-# walk costs O(tokens matched) however long the edge it stops in.
-_FIRST_COMPARE = 64
+# walk costs O(tokens matched) however long the edge it stops in. A step's Python overhead
+# outweighs comparing a few KiB, so the first step takes a whole prompt's worth.
+_FIRST_COMPARE = 1024
 
 _NO_POOL = (
     "pool: expected the current pool, got None: a write-back cache stores the pages it evicts "
@@ -140,7 +141,11 @@ def _salt_key(salt) -> bytes | None:
 def _tokens(token_ids) -> np.ndarray:
     """Token ids as uint32 (the connector's key range), checked."""
     arr = int_vector("token_ids", token_ids, "token ids")
-    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+    # Only the bounds a dtype can break are read: an unsigned dtype has no negatives, one of
+    # 4 bytes or fewer nothing at 2**32 or above.
+    if arr.size and (
+        (arr.dtype.kind == "i" and arr.min() < 0) or (arr.dtype.itemsize > 4 and arr.max() >= 2**32)
+    ):
         raise ValueError(f"token_ids: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
     return arr.astype(np.uint32, copy=False)
 
@@ -230,6 +235,7 @@ class RadixCache:
         self._total = 0
         # Pages the tree holds: insert refuses one twice, so no slot is ever handed out twice.
         self._held = np.zeros(allocator.num_pages + 1, bool)
+        self._in_page = np.arange(self.page_size)  # a page's slot offsets
 
     # ---- sizes --------------------------------------------------------------------------------
 
@@ -438,7 +444,7 @@ class RadixCache:
                 f"{slot_arr.shape}"
             )
         n = tokens.size // self.page_size * self.page_size
-        tokens, slot_arr = tokens[:n], slot_arr[:n].astype(np.int64)
+        tokens, slot_arr = tokens[:n], slot_arr[:n].astype(np.int64, copy=False)
         salt = _salt_key(salt)
         through = self.connector is not None and self.write_policy == "write_through"
         if through and pool is None:
@@ -455,9 +461,36 @@ class RadixCache:
         self._add(tokens, new, path, cut, matched, salt)
         return matched
 
+    def _pages(self, slots: np.ndarray) -> np.ndarray:
+        """The page of each whole page of `slots` (their first slots, divided)."""
+        page = self.page_size
+        return slots[::page] // page if page > 1 else slots
+
     def _check_new_slots(self, new: np.ndarray) -> None:
+        """Refuses new slots that are not whole allocator pages, distinct and not held by the
+        tree: any of them would let one slot hold two prefixes. Pages in ascending order (as
+        allocators hand them out) are checked in a few vectorised steps over the pages;
+        anything else is examined in full, which names the first fault."""
         if not new.size:
             return
+        page = self.page_size
+        pages = self._pages(new)
+        if (
+            (pages.size == 1 or (pages[1:] > pages[:-1]).all())  # ascending: distinct
+            and 1 <= pages[0]
+            and pages[-1] <= self.allocator.num_pages
+            and (
+                page == 1
+                or ((pages * page)[:, None] + self._in_page == new.reshape(-1, page)).all()
+            )
+            and not self._held[pages].any()
+        ):
+            return
+        self._diagnose_new_slots(new)
+
+    def _diagnose_new_slots(self, new: np.ndarray) -> None:
+        """`_check_new_slots` in full: raises naming the first fault, or returns when the
+        pages are valid (distinct, in another order)."""
         page = self.page_size
         low, high = page, (self.allocator.num_pages + 1) * page
         if new.min() < low or new.max() >= high:
@@ -469,7 +502,7 @@ class RadixCache:
         starts = new[::page]
         if page > 1:
             off = new.reshape(-1, page) - starts[:, None]
-            odd = np.flatnonzero((starts % page != 0) | np.any(off != np.arange(page), axis=1))
+            odd = np.flatnonzero((starts % page != 0) | np.any(off != self._in_page, axis=1))
             if odd.size:
                 got = new[odd[0] * page : (odd[0] + 1) * page].tolist()
                 raise ValueError(
@@ -477,8 +510,7 @@ class RadixCache:
                     f"{page} slots are page * {page} + 0..{page - 1}, in order), got {got}"
                 )
         pages = starts // page
-        ascending = bool(np.all(pages[1:] > pages[:-1]))  # as allocators hand them out
-        if not ascending and np.unique(pages).size != pages.size:
+        if np.unique(pages).size != pages.size:
             raise ValueError(
                 "slots: expected distinct pages for the tokens not yet cached, got a page twice"
             )
@@ -510,7 +542,7 @@ class RadixCache:
         self._nodes += 1
         self._evictable += new.size
         self._total += new.size
-        self._held[new[:: self.page_size] // self.page_size] = True
+        self._held[self._pages(new)] = True
         self._push_if_evictable(leaf)
         return leaf
 
@@ -657,7 +689,7 @@ class RadixCache:
             self._nodes += 1
             self._evictable += node.key.size
             self._total += node.key.size
-            self._held[node.value[:: self.page_size] // self.page_size] = True
+            self._held[self._pages(node.value)] = True
             self._push_if_evictable(node)
 
     def _release(self, victims: list[_Node]) -> None:
@@ -666,7 +698,7 @@ class RadixCache:
         if not victims:
             return
         values = np.concatenate([v.value for v in victims])
-        self._held[values[:: self.page_size] // self.page_size] = False
+        self._held[self._pages(values)] = False
         self.allocator.free(values)
 
     def _write_back(self, victims: list[_Node], pool) -> None:

@@ -951,3 +951,25 @@ def test_req_to_token_pool_write_rejects_bad_row_or_start(row, start, n):
         pool.write(row, start, np.arange(n))
     # A rejected write neither changes nor donates the table.
     np.testing.assert_array_equal(np.asarray(pool.req_to_token), before)
+
+
+# --------------------------------------------------------------------------------------------
+# The release list across many frees
+
+
+@pytest.mark.parametrize("p", [1, 4])
+def test_many_frees_release_each_page_once_and_merge_sorted(p):
+    """Frees of unsorted slots, repeats within and across calls, page 0 and slots past the
+    pool leave each page in the release list once; the merge hands them out sorted."""
+    a = PagedAllocator(16 * p, p) if p > 1 else TokenAllocator(16)
+    a.alloc(16 * p)
+    frees = [[9, 3, 9, 14], [3, 0, 17], [12, 7, 12, 7, 5], [], [16, 1, -1, 14]]
+    for pages in frees:
+        a.free([s * p + p - 1 for s in pages] + [s * p for s in pages])  # both ends of a page
+    released = sorted({s for f in frees for s in f if 1 <= s <= 16})
+    assert a.available_size() == len(released) * p
+    state = a.backup_state()
+    assert sorted(state[1].tolist()) == released  # each page listed once
+    assert _pages(a.alloc(len(released) * p), p) == released
+    a.restore_state(state)  # the joined release list restores as it was
+    assert _pages(a.alloc(len(released) * p), p) == released

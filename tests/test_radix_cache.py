@@ -838,3 +838,67 @@ def test_a_failing_load_back_leaves_tree_allocator_and_locks_as_they_were(failin
         a.dec_lock_ref(m.node)  # the lock load_back took is released
     conn_a.failing.clear()
     assert _trace(a, pool_a) == _trace(b, pool_b)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_insert_checks_new_pages_in_any_order(page):
+    """Whole, distinct pages the tree does not hold are taken in any order (not only the
+    ascending order allocators hand them out); a fault anywhere among them is refused,
+    named, and changes nothing."""
+    alloc = _alloc(page, 128)
+    cache = RadixCache(alloc)
+    held = alloc.alloc(2 * page)
+    cache.insert(np.arange(2 * page), held)
+    fresh = alloc.alloc(6 * page).reshape(6, page)
+    shuffled = fresh[[4, 0, 5, 2, 1, 3]].reshape(-1)
+    tokens = np.arange(100, 100 + 6 * page)
+    bad = {
+        "does not hold": np.concatenate([shuffled[: 5 * page], held[:page]]),
+        "distinct pages": np.concatenate([shuffled[: 5 * page], shuffled[2 * page : 3 * page]]),
+        "allocator's slots": np.concatenate([shuffled[: 5 * page], np.arange(page)]),  # page 0
+    }
+    if page > 1:
+        bad["whole pages"] = np.concatenate([shuffled[: 5 * page], shuffled[-page:] + 1])
+    before, free = _sizes(cache), _state(alloc)
+    for why, slots in bad.items():
+        with pytest.raises(ValueError, match=why):
+            cache.insert(tokens, slots)
+        assert _sizes(cache) == before and _state(alloc) == free
+    assert cache.insert(tokens, shuffled) == 0
+    np.testing.assert_array_equal(cache.match_prefix(tokens).slots, shuffled)
+    with pytest.raises(ValueError, match="does not hold"):  # now the tree's
+        cache.insert(np.arange(200, 200 + page), fresh[3])
+
+
+def test_insert_refuses_pages_out_of_alignment_at_either_end():
+    """A run of slots that starts mid-page is not whole pages, even when it is in order."""
+    alloc = PagedAllocator(64, 4)
+    cache = RadixCache(alloc)
+    alloc.alloc(4)  # page 1: one slot before the run is still the allocator's
+    slots = alloc.alloc(12)
+    for shifted in (slots + 1, slots - 1):
+        with pytest.raises(ValueError, match="whole pages"):
+            cache.insert(np.arange(12), shifted)
+    assert cache.insert(np.arange(12), slots) == 0
+
+
+@pytest.mark.parametrize(
+    "tokens, ok",
+    [
+        (np.array([0, 255], np.uint8), True),
+        (np.array([2**32 - 1], np.uint32), True),
+        (np.array([2**32 - 1], np.uint64), True),
+        (np.array([2**32], np.uint64), False),
+        (np.array([-1], np.int8), False),
+        (np.array([2**31 - 1], np.int32), True),
+        (np.array([2**32], np.int64), False),
+        (np.array([-1], np.int64), False),
+    ],
+)
+def test_token_ids_are_checked_in_every_integer_dtype(tokens, ok):
+    cache = RadixCache(TokenAllocator(8))
+    if ok:
+        assert cache.match_prefix(tokens).slots.size == 0
+    else:
+        with pytest.raises(ValueError, match=r"token_ids: expected ids in \[0, 2\*\*32\)"):
+            cache.match_prefix(tokens)
