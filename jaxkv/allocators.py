@@ -49,9 +49,10 @@ def _as_array(name: str, x) -> np.ndarray:
 
 
 def _int_vector(name: str, x) -> np.ndarray:
-    """`x` as a 1-D int64 vector (a scalar is one element). Refuses what would change meaning
-    on the way: floats, bools, arrays of two or more dimensions, and values past int64 (a
-    uint64 above 2**63 - 1 would wrap to a negative)."""
+    """`x` as a 1-D int64 vector (a scalar is one element), to be read only: an int64 array
+    comes back as itself. Refuses what would change meaning on the way: floats, bools, arrays
+    of two or more dimensions, and values past int64 (a uint64 above 2**63 - 1 would wrap to
+    a negative)."""
     arr = _as_array(name, x)
     if arr.ndim > 1:
         raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape {arr.shape}")
@@ -61,7 +62,7 @@ def _int_vector(name: str, x) -> np.ndarray:
         raise TypeError(f"{name}: expected integers, got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{name}: expected values below 2**63, got {arr.max()}")
-    return arr.reshape(-1).astype(np.int64)
+    return arr.reshape(-1).astype(np.int64, copy=False)
 
 
 def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:

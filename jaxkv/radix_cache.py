@@ -147,7 +147,9 @@ def _tokens(token_ids) -> np.ndarray:
         (arr.dtype.kind == "i" and arr.min() < 0) or (arr.dtype.itemsize > 4 and arr.max() >= 2**32)
     ):
         raise ValueError(f"token_ids: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
-    return arr.astype(np.uint32, copy=False)
+    if arr.dtype.itemsize == 4:  # int32 ids in range are their uint32 bits: no copy
+        return arr.view(np.uint32)
+    return arr.astype(np.uint32)
 
 
 def _matched(edge: np.ndarray, tokens: np.ndarray, page: int) -> int:
@@ -235,7 +237,8 @@ class RadixCache:
         self._total = 0
         # Pages the tree holds: insert refuses one twice, so no slot is ever handed out twice.
         self._held = np.zeros(allocator.num_pages + 1, bool)
-        self._in_page = np.arange(self.page_size)  # a page's slot offsets
+        self._in_page = np.arange(self.page_size, dtype=np.int64)  # a page's slot offsets
+        self._offsets = self._in_page  # the offsets of the slots of consecutive pages
 
     # ---- sizes --------------------------------------------------------------------------------
 
@@ -454,11 +457,11 @@ class RadixCache:
             )
         path, cut, matched = self._walk(tokens, salt)
         new = slot_arr[matched:]
-        self._check_new_slots(new)
+        pages = self._check_new_slots(new)
         if through and n:
             held = self._path_slots(path, cut)
             self.connector.store(pool, tokens, np.concatenate([held, new]), salt=salt)
-        self._add(tokens, new, path, cut, matched, salt)
+        self._add(tokens, new, pages, path, cut, matched, salt)
         return matched
 
     def _pages(self, slots: np.ndarray) -> np.ndarray:
@@ -466,27 +469,31 @@ class RadixCache:
         page = self.page_size
         return slots[::page] // page if page > 1 else slots
 
-    def _check_new_slots(self, new: np.ndarray) -> None:
-        """Refuses new slots that are not whole allocator pages, distinct and not held by the
-        tree: any of them would let one slot hold two prefixes. Pages in ascending order (as
-        allocators hand them out) are checked in a few vectorised steps over the pages;
-        anything else is examined in full, which names the first fault."""
-        if not new.size:
-            return
-        page = self.page_size
+    def _slots_of(self, pages: np.ndarray) -> np.ndarray:
+        """The slots of `pages`, page by page, in order (int64)."""
+        n = pages.size * self.page_size
+        if self._offsets.size < n:  # grown to the longest insert so far, doubling
+            self._offsets = np.tile(self._in_page, max(n, 2 * self._offsets.size) // self.page_size)
+        return np.repeat(pages * self.page_size, self.page_size) + self._offsets[:n]
+
+    def _check_new_slots(self, new: np.ndarray) -> np.ndarray:
+        """The pages of `new`, refused unless they are whole allocator pages, distinct and not
+        held by the tree: any fault would let one slot hold two prefixes. Pages in ascending
+        order (as allocators hand them out) are checked in a few vectorised steps over the
+        pages; anything else is examined in full, which names the first fault."""
         pages = self._pages(new)
-        if (
+        if not pages.size:
+            return pages
+        page = self.page_size
+        if not (
             (pages.size == 1 or (pages[1:] > pages[:-1]).all())  # ascending: distinct
             and 1 <= pages[0]
             and pages[-1] <= self.allocator.num_pages
-            and (
-                page == 1
-                or ((pages * page)[:, None] + self._in_page == new.reshape(-1, page)).all()
-            )
+            and (page == 1 or self._slots_of(pages).tobytes() == new.tobytes())
             and not self._held[pages].any()
         ):
-            return
-        self._diagnose_new_slots(new)
+            self._diagnose_new_slots(new)
+        return pages
 
     def _diagnose_new_slots(self, new: np.ndarray) -> None:
         """`_check_new_slots` in full: raises naming the first fault, or returns when the
@@ -521,8 +528,9 @@ class RadixCache:
                 "another cached prefix (free only slots insert did not take)"
             )
 
-    def _add(self, tokens, new, path, cut, matched, salt) -> _Node:
-        """Commits an insert checked by the caller: stamps the path, splits, adds the leaf."""
+    def _add(self, tokens, new, pages, path, cut, matched, salt) -> _Node:
+        """Commits an insert checked by the caller: stamps the path, splits, adds the leaf of
+        the `new` slots (of `pages`)."""
         if not tokens.size:
             return self._root
         parent = self._stamp(path, cut)
@@ -542,7 +550,7 @@ class RadixCache:
         self._nodes += 1
         self._evictable += new.size
         self._total += new.size
-        self._held[self._pages(new)] = True
+        self._held[pages] = True
         self._push_if_evictable(leaf)
         return leaf
 
@@ -821,7 +829,7 @@ class RadixCache:
         new = slots[d - start : n]
         path, cut, matched = self._walk(tokens[:end], salt)
         taken = new[matched - d :]  # the tree may have gained some of these tokens meanwhile
-        leaf = self._add(tokens[:end], taken, path, cut, matched, salt)
+        leaf = self._add(tokens[:end], taken, self._pages(taken), path, cut, matched, salt)
         self.allocator.free(np.concatenate([slots[: matched - start], slots[n:]]))
         left = 0 if n < k else want - k
         return pool, PrefixMatch(self._prefix_of(leaf)[1], leaf, left)
