@@ -36,7 +36,9 @@ def measure(setting: Setting) -> dict:
     an earlier request), from a `HostStore` (stored by an earlier request, the device's copy
     evicted before each round) and without any reuse; beside them the bare step the device
     hit runs: the compiled prefill of the new tokens over the cached context, with its logits
-    read back, and nothing else. Compilation is excluded.
+    read back, and nothing else. Compilation is excluded. The three short cases alternate
+    round by round; "no reuse", a whole prefill that leaves the caches cold for the case after
+    it, is timed in rounds of its own.
     """
     from jaxkv.models import Decoder, DecoderConfig
 
@@ -124,26 +126,31 @@ def _ttft(model, params, sizes: Sizes) -> dict:
 
         return run
 
-    cases = {
-        "no reuse": served("no reuse", plain),
+    # "no reuse" prefills the whole prompt: tens of times the others' work, which leaves the
+    # caches cold for whatever runs next. Interleaved with the short cases it would slow the one
+    # after it and skew their ratios, so it is timed in rounds of its own after them; the three
+    # short cases alternate, and take more rounds, since each costs little.
+    short = {
         "device hit": served("device hit", device),
         "bare step": step,
         "reuse from HostStore": served("reuse from HostStore", stored),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
+    long = {"no reuse": served("no reuse", plain)}
+    times: dict[str, list[float]] = {name: [] for name in (*short, *long)}
     hits: dict[str, tuple[int, int]] = {}
     # Round 0: the reusing engines compute the whole prompt (compiling the full-prompt step
     # every engine uses) and cache or offload its prefix; later rounds' last tokens are new.
     # Round 1 compiles what reuse adds (the suffix step, the load's scatter): a compile costs
     # more than the load itself on a GPU, so timing starts at round 2.
-    for r in range(2 + (2 if sizes.quick else 5)):
-        prompt = np.concatenate([prefix, rng.integers(0, 256, new).astype(np.int32)])
-        for name, run in cases.items():
-            if r == 0 and name in ("no reuse", "bare step"):
-                continue
-            took = run(prompt)
-            if r >= 2:
-                times[name].append(took)
+    for cases, timed in ((short, 6 if sizes.quick else 10), (long, 2 if sizes.quick else 5)):
+        for r in range(2 + timed):
+            prompt = np.concatenate([prefix, rng.integers(0, 256, new).astype(np.int32)])
+            for name, run in cases.items():
+                if r == 0 and name == "bare step":
+                    continue
+                took = run(prompt)
+                if r >= 2:
+                    times[name].append(took)
     stored.close()
     return {
         "prompt_tokens": cached + new,
