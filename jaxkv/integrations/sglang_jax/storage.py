@@ -1,0 +1,911 @@
+"""An L3 tier under sglang-jax's HiCache: its pages kept in a jaxkv store, found again by tokens.
+
+sglang-jax's HiCache keeps KV pages on the device (L1) and in host memory (L2); a page evicted
+from both is gone, and so is everything after a restart. `StoreRadixCache`, a subclass of
+sglang-jax's `UnifiedRadixCache`, puts a jaxkv `BlockStore` under them (`DiskStore`,
+`RedisStore`, `TieredStore`, ...): every prefix HiCache backs up to host memory is also written
+to the store, keyed by the chained hashes of its tokens, and a prefix the device and host no
+longer hold is loaded back from it, bit-exact, into newly allocated device slots: after a
+host eviction, after a process restart, and on another host that shares the Redis server.
+
+Its seams are the tree's own methods (sglang-jax's code is unchanged):
+
+- `write_backup` (HiCache's device-to-host backup of a node): the path from the root to the
+  node also goes to `KVConnector.store_async`. Its device-to-host snapshot is taken there,
+  beside HiCache's own, and the writes run on the connector's background worker. A host-leaf
+  eviction then only drops the host copy: the store has the pages.
+- `match_prefix`: when the device and host match ends a block or more before the prompt's
+  last whole block, background threads read the next blocks from the store into host memory
+  (a prefetch). The match waits for them at most `wait_s` per scheduling round, then reports
+  the blocks in host memory as host hits (`host_hit_length`), as HiCache reports its own.
+- `init_load_back` (the scheduler's call for a host hit): HiCache's host part first, then the
+  prefetched blocks are copied into new device slots and inserted into the tree as device
+  nodes.
+
+The scheduler's thread never waits on the store: writes and lookups run in the background,
+and what it copies is host memory (the snapshot, the prefetched blocks). A failing or slow
+store (an error, a timeout, a damaged record) is counted (`StoreTier.stats`) and logged on the
+`jaxkv` logger, and its request is recomputed; nothing is raised into the scheduler.
+
+The connector describes the pool as it describes any pool sglang-jax builds (one layout, the
+connector's, for jaxkv's pools and sglang-jax's), so these blocks are the blocks a
+`KVConnector` over the same pool stores and loads.
+
+Turning it on: `python -m jaxkv.integrations.sglang_jax.serve` (the `serve` module) runs
+sglang-jax's server with `install()` done in every process it spawns, configured by the
+`JAXKV_SGLANG_JAX_*` environment variables (`StoreSettings.from_env`); sglang-jax's own
+`--hicache-storage none` turns HiCache on. See docs/sglang_jax_l3.md.
+
+sglang-jax is imported only when a tree is built or the hook installed: jaxkv imports without it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from jaxkv.connector import BlockStore, DiskStore, HostStore, KVConnector, RedisStore, TieredStore
+from jaxkv.connector.stores import FailureLog
+
+ENV_STORE = "JAXKV_SGLANG_JAX_STORE"
+ENV_NAMESPACE = "JAXKV_SGLANG_JAX_NAMESPACE"
+ENV_WAIT_MS = "JAXKV_SGLANG_JAX_WAIT_MS"
+ENV_PREFETCH_MB = "JAXKV_SGLANG_JAX_PREFETCH_MB"
+
+_WAIT_S = 0.02
+_PREFETCH_BYTES = 256 << 20
+# Blocks one store read asks for: a prefetch lands in host memory, and can be loaded, a batch
+# at a time.
+_BATCH = 16
+# Prefetches in flight at once: past them a match starts none (its request is recomputed)
+# rather than queueing reads behind a slow store.
+_MAX_PREFETCHES = 32
+_PREFETCH_THREADS = 2
+# A finished prefetch is not asked again for this long: a request waiting in the queue is
+# matched every round, and its blocks have either arrived or are not in the store.
+_RECHECK_S = 2.0
+# Finished prefetches remembered (for _RECHECK_S), beyond those in flight.
+_KEPT_PREFETCHES = 4096
+# Block keys the write side remembers as stored (see _KnownKeys).
+_KNOWN_KEYS = 1 << 17
+# `store_async` calls in flight; a backup past them is not written to the store (counted).
+_MAX_WRITES = 8
+
+_SPEC_HELP = (
+    "expected a store spec: disk:PATH, host:BYTES, a redis://, rediss:// or unix:// URL, or "
+    "several of them comma-separated, fastest first (a TieredStore)"
+)
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# Server arguments that name the weights (and the KV cache's dtype) a tree's KV comes from.
+_WEIGHTS_ARGS = ("model_path", "revision", "dtype", "quantization", "kv_cache_dtype")
+
+_COUNTERS = (
+    "lookups",
+    "hits",
+    "hit_tokens",
+    "loads",
+    "loaded_tokens",
+    "prefetches",
+    "prefetches_refused",
+    "writes",
+    "writes_refused",
+    "errors",
+)
+
+
+# ---- settings -----------------------------------------------------------------------------
+
+
+def _spec_parts(spec: object) -> list[tuple[str, str]]:
+    """`spec` (see `open_store`) as (kind, argument) pairs, checked; opens nothing."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"store: {_SPEC_HELP}, got {spec!r}")
+    parts = []
+    for part in (p.strip() for p in spec.split(",")):
+        kind, _, arg = part.partition(":")
+        if part.startswith(_REDIS_SCHEMES):
+            parts.append(("redis", part))
+        elif kind == "disk" and arg:
+            parts.append(("disk", arg))
+        elif kind == "host" and arg.isdigit() and int(arg) > 0:
+            parts.append(("host", arg))
+        else:
+            where = "" if part == spec else f" in {spec!r}"
+            raise ValueError(f"store: {_SPEC_HELP}, got {part!r}{where}")
+    return parts
+
+
+def open_store(spec: str) -> BlockStore:
+    """The store `spec` names.
+
+    Args:
+        spec: `disk:PATH` (a `DiskStore` in that folder), `host:BYTES` (a `HostStore` of that
+            capacity, this process's alone), a `redis://`, `rediss://` or `unix://` URL (a
+            `RedisStore`), or several of them comma-separated, fastest first (a
+            `TieredStore` of them).
+
+    Returns:
+        The store, opened.
+
+    Raises:
+        ValueError: a spec that names none of these (or a store's own argument error).
+
+    Example:
+        >>> type(open_store("host:1048576")).__name__
+        'HostStore'
+        >>> [type(s).__name__ for s in open_store("host:1048576,disk:blocks").tiers]
+        ['HostStore', 'DiskStore']
+    """
+    opened: dict[str, Callable[[str], BlockStore]] = {
+        "disk": DiskStore,
+        "host": lambda arg: HostStore(int(arg)),
+        "redis": RedisStore,
+    }
+    stores = [opened[kind](arg) for kind, arg in _spec_parts(spec)]
+    return stores[0] if len(stores) == 1 else TieredStore(*stores)
+
+
+def namespace_of(server_args: object) -> str:
+    """The connector namespace of a server: the arguments that name its weights and KV dtype.
+
+    Blocks are only shared between servers whose namespace is equal, so it must change when
+    the weights do. A checkpoint rewritten in place under the same `model_path` keeps this
+    name: set `JAXKV_SGLANG_JAX_NAMESPACE` (`StoreSettings.namespace`) to one naming the
+    weights themselves (a checkpoint hash) in that case.
+
+    Args:
+        server_args: sglang-jax's `ServerArgs` (or any object with its attribute names).
+
+    Returns:
+        `"sglang-jax:model_path=...,revision=...,dtype=...,quantization=...,kv_cache_dtype=..."`.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> namespace_of(SimpleNamespace(model_path="Qwen/Qwen3-8B", revision=None,
+        ...     dtype="bfloat16", quantization=None, kv_cache_dtype="auto"))
+        'sglang-jax:model_path=Qwen/Qwen3-8B,revision=None,dtype=bfloat16,quantization=None,kv_cache_dtype=auto'
+    """
+    return "sglang-jax:" + ",".join(
+        f"{name}={getattr(server_args, name, None)}" for name in _WEIGHTS_ARGS
+    )
+
+
+def _env_number(env: Mapping[str, str], name: str, default: float, *, positive: bool) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    expected = "a number above 0" if positive else "a number, 0 or more"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}: expected {expected}, got {raw!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSettings:
+    """What `install` builds each tree's store tier from.
+
+    Attributes:
+        store: the store, as a spec for `open_store`; opened by the process that builds the
+            tree (sglang-jax's scheduler).
+        namespace: the connector's namespace; None derives it from the server's arguments
+            (`namespace_of`).
+        wait_s: the most one scheduling round waits for store lookups, in seconds (>= 0).
+        prefetch_bytes: host memory for blocks read ahead from the store (> 0).
+
+    Raises:
+        ValueError: a malformed `store` spec, a negative or non-finite `wait_s`, or a
+            `prefetch_bytes` that is not a positive int.
+        TypeError: a `namespace` that is neither a str nor None.
+    """
+
+    store: str
+    namespace: str | None = None
+    wait_s: float = _WAIT_S
+    prefetch_bytes: int = _PREFETCH_BYTES
+
+    def __post_init__(self) -> None:
+        _spec_parts(self.store)
+        if self.namespace is not None and not isinstance(self.namespace, str):
+            raise TypeError(
+                f"namespace: expected a str or None, got {type(self.namespace).__name__}"
+            )
+        _check_tier_args(self.wait_s, self.prefetch_bytes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
+        """The settings the environment gives (inherited by every process sglang-jax starts):
+
+        - `JAXKV_SGLANG_JAX_STORE` (required): the store spec (`open_store`).
+        - `JAXKV_SGLANG_JAX_NAMESPACE`: the namespace (default: from the server's arguments).
+        - `JAXKV_SGLANG_JAX_WAIT_MS`: the wait per scheduling round, in ms (default 20).
+        - `JAXKV_SGLANG_JAX_PREFETCH_MB`: host memory for prefetched blocks, in MiB (256).
+
+        Args:
+            environ: the variables; None reads `os.environ`.
+
+        Raises:
+            ValueError: no store spec, or a malformed value (the message names the variable).
+        """
+        env = os.environ if environ is None else environ
+        store = env.get(ENV_STORE, "")
+        if not store.strip():
+            got = "nothing (unset)" if ENV_STORE not in env else repr(store)
+            raise ValueError(f"{ENV_STORE}: {_SPEC_HELP}, got {got}")
+        try:
+            _spec_parts(store)
+        except ValueError as err:
+            raise ValueError(f"{ENV_STORE}: {str(err).removeprefix('store: ')}") from None
+        wait_ms = _env_number(env, ENV_WAIT_MS, _WAIT_S * 1e3, positive=False)
+        mib = _env_number(env, ENV_PREFETCH_MB, _PREFETCH_BYTES / (1 << 20), positive=True)
+        return cls(
+            store=store,
+            namespace=env.get(ENV_NAMESPACE) or None,
+            wait_s=wait_ms / 1e3,
+            prefetch_bytes=max(1, int(mib * (1 << 20))),
+        )
+
+
+def _check_tier_args(wait_s: object, prefetch_bytes: object) -> None:
+    if (
+        isinstance(wait_s, bool)
+        or not isinstance(wait_s, (int, float))
+        or not math.isfinite(wait_s)
+        or wait_s < 0
+    ):
+        raise ValueError(f"wait_s: expected a number of seconds, 0 or more, got {wait_s!r}")
+    if (
+        not isinstance(prefetch_bytes, int)
+        or isinstance(prefetch_bytes, bool)
+        or prefetch_bytes < 1
+    ):
+        raise ValueError(f"prefetch_bytes: expected a positive int, got {prefetch_bytes!r}")
+
+
+# ---- the store's two sides ----------------------------------------------------------------
+
+
+class _KnownKeys(BlockStore):
+    """The write side of a store.
+
+    `contains` answers from the keys this process wrote, found stored or loaded, without I/O,
+    so the snapshot `store_async` takes on the scheduler's thread never waits on the store.
+    `put_many`, which runs on the connector's background worker, asks the store first and
+    writes only the blocks it does not hold. A key forgotten (past `_KNOWN_KEYS`) or stored by
+    another process is copied again and then found held: a copy, never a wrong answer.
+    """
+
+    def __init__(self, store: BlockStore):
+        super().__init__()
+        self.store = store
+        self._keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def remember(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._keys[key] = None
+                self._keys.move_to_end(key)
+            while len(self._keys) > _KNOWN_KEYS:
+                self._keys.popitem(last=False)
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return key in self._keys
+
+    def get(self, key: str):
+        return self.store.get(key)
+
+    def put(self, record) -> bool:
+        return self.put_many([record])[0]
+
+    def put_many(self, records) -> list[bool]:
+        keys = [r.key for r in records]
+        held = self.store.contains_many(keys)
+        new = [r for r, h in zip(records, held) if not h]
+        written = iter(self.store.put_many(new) if new else ())
+        answers = [False if h else bool(next(written)) for h in held]
+        self.remember([k for k, h, w in zip(keys, held, answers) if h or w])
+        return answers
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.nbytes
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()
+
+
+@dataclasses.dataclass
+class _Prefetch:
+    """One prefetch: `done` is set when it ended (whatever it found is in the buffer)."""
+
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    finished_at: float | None = None
+
+
+class _Prefetcher:
+    """Reads blocks from the store into host memory (the reader's buffer), on background
+    threads, a `_BATCH` of blocks at a time; at most `max_blocks` blocks per prefetch."""
+
+    def __init__(self, tier: StoreTier, max_blocks: int):
+        self._tier = tier
+        self._max_blocks = max_blocks
+        self._lock = threading.Lock()
+        self._jobs: collections.OrderedDict[str, _Prefetch] = collections.OrderedDict()
+        self._running = 0
+        self._threads = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="jaxkv-prefetch")
+
+    def start(self, ids: np.ndarray, salt: str | None, first: int, name: str) -> _Prefetch | None:
+        """The prefetch of `ids`' blocks from token `first` on, named `name`: the one in
+        flight, or a new one. None when one finished less than `_RECHECK_S`
+        ago (what it found is in the buffer) or `_MAX_PREFETCHES` are in flight."""
+        now = time.monotonic()
+        with self._lock:
+            job = self._jobs.get(name)
+            if job is not None:
+                if job.finished_at is None:
+                    return job
+                if now - job.finished_at < _RECHECK_S:
+                    return None
+            if self._running >= _MAX_PREFETCHES:
+                job = None
+            else:
+                self._running += 1
+                job = self._jobs[name] = _Prefetch()
+                self._jobs.move_to_end(name)
+                while len(self._jobs) > _KEPT_PREFETCHES + self._running:
+                    oldest = next(k for k, j in self._jobs.items() if j.finished_at is not None)
+                    del self._jobs[oldest]
+        if job is None:
+            self._tier._count("prefetches_refused")
+            return None
+        self._tier._count("prefetches")
+        self._threads.submit(self._run, job, ids, salt, first)
+        return job
+
+    def _run(self, job: _Prefetch, ids: np.ndarray, salt: str | None, first: int) -> None:
+        tier = self._tier
+        try:
+            skip = first // tier.block_size
+            keys = tier.reader.block_hashes(ids, salt=salt)[skip : skip + self._max_blocks]
+            for i in range(0, len(keys), _BATCH):
+                batch = keys[i : i + _BATCH]
+                found = []
+                for record in tier.store.get_many(batch, stop_at_miss=True):
+                    if record is None:
+                        break
+                    found.append(record)
+                if found:
+                    tier.buffer.put_many(found)
+                if len(found) < len(batch):
+                    break
+        except Exception as err:  # a failing store: the blocks are recomputed
+            tier._failed("prefetch", err)
+        finally:
+            with self._lock:
+                job.finished_at = time.monotonic()
+                self._running -= 1
+            job.done.set()
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoreHit:
+    """A match extended by store blocks, handed to the scheduler as the match's
+    `last_host_node`, which the scheduler hands back to `init_load_back` unread.
+
+    Attributes:
+        anchor: sglang-jax's own `last_host_node` of the match.
+        key: the match's `RadixKey`, cut to the end of the blocks found in the store.
+        ids: its token ids.
+        salt: the key's `extra_key` (the connector's salt).
+        start: the first token of the blocks to load (a multiple of the block size, at or
+            before the end of the device and host match).
+        device_indices: the match's device slots.
+        host_tokens: the match's own host hit.
+    """
+
+    anchor: Any
+    key: Any
+    ids: np.ndarray
+    salt: str | None
+    start: int
+    device_indices: np.ndarray
+    host_tokens: int
+
+
+def _salt(extra_key: object) -> str | None:
+    # The tree keeps prefixes of different `extra_key`s (LoRA adapters, cache salts) apart;
+    # the store keeps them apart by salting their keys with it.
+    return None if extra_key is None else str(extra_key)
+
+
+# ---- the tier -----------------------------------------------------------------------------
+
+
+class StoreTier:
+    """A store under one sglang-jax tree: HiCache's backups written to it, prefixes read back.
+
+    `StoreRadixCache` makes one (its `jaxkv` attribute) and calls it from its seams.
+
+    Args:
+        tree: the tree (a `StoreRadixCache`): sglang-jax's `UnifiedRadixCache` with the FULL
+            component alone, over a pool `KVConnector` reads (dp_size 1).
+        store: where blocks go.
+        namespace: the connector's namespace: it must name the weights (see `namespace_of`).
+        wait_s: the most one scheduling round waits for store lookups (the rest of a prefix
+            whose blocks have not arrived by then is recomputed).
+        prefetch_bytes: host memory for blocks read ahead from the store; one prefetch takes
+            at most half of it.
+
+    Raises:
+        ValueError: a tree with other components (recurrent state) or EAGLE's bigram keys, or
+            bad `wait_s`, `prefetch_bytes`.
+        TypeError: a `store` that is not a `BlockStore`.
+        UnsupportedKVCacheError: a pool the connector cannot read.
+    """
+
+    def __init__(
+        self,
+        tree: Any,
+        store: BlockStore,
+        *,
+        namespace: str = "default",
+        wait_s: float = _WAIT_S,
+        prefetch_bytes: int = _PREFETCH_BYTES,
+    ):
+        from sgl_jax.srt.mem_cache.unified_cache_components import BASE_COMPONENT_TYPE
+
+        if not isinstance(store, BlockStore):
+            raise TypeError(f"store: expected a BlockStore, got {type(store).__name__}")
+        _check_tier_args(wait_s, prefetch_bytes)
+        if len(tree.tree_components) != 1 or tree.supports_recurrent():
+            raise ValueError(
+                "tree_components: expected the FULL component alone (recurrent state is not "
+                f"stored), got {tree.tree_components}"
+            )
+        if tree.is_eagle:
+            raise ValueError(
+                "is_eagle: expected False (EAGLE's bigram keys name token pairs, not the "
+                "tokens the store's keys hash), got True"
+            )
+        pool = tree.token_to_kv_pool_allocator.get_kvcache()
+        self.tree = tree
+        self.store = store
+        self.wait_s = float(wait_s)
+        self._full = BASE_COMPONENT_TYPE
+        self._known = _KnownKeys(store)
+        #: Writes HiCache's backups to the store (through `_KnownKeys`).
+        self.writer = KVConnector(pool, self._known, namespace=namespace, max_pending=_MAX_WRITES)
+        self.block_size = self.writer.block_size
+        #: Host memory the prefetches fill and loads read.
+        self.buffer = HostStore(prefetch_bytes, preallocate_bytes=0)
+        #: Loads prefetched blocks into the device pool.
+        self.reader = KVConnector(
+            pool, self.buffer, namespace=namespace, block_size=self.block_size
+        )
+        block_bytes = self.reader.layout.block_nbytes(self.block_size)
+        self._prefetcher = _Prefetcher(self, max(1, prefetch_bytes // (2 * block_bytes)))
+        self._budget = self.wait_s
+        self._writes = 0  # `store_async` calls in flight
+        self._lock = threading.Lock()
+        self._counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._counters["waited_s"] = 0.0
+        self._failures = FailureLog("StoreRadixCache")
+
+    def _count(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _failed(self, kind: str, err: BaseException) -> None:
+        self._count("errors")
+        self._failures.note(kind, err)
+
+    def new_round(self) -> None:
+        """A scheduling round starts: its matches may wait `wait_s` again."""
+        self._budget = self.wait_s
+
+    # ---- match ----------------------------------------------------------------------------
+
+    def match(self, params: Any, result: Any) -> Any:
+        """sglang-jax's match `result` for `params`, its host hit extended by the blocks after
+        it that are in host memory once the prefetch had its time (see the module)."""
+        tree = self.tree
+        if params.full_only or tree.disable or not tree.hicache_enabled:
+            return result  # a request's re-match of its own prefix, or no host tier to load
+        try:
+            return self._match(params.key, result)
+        except Exception as err:  # a failing store: the request is recomputed
+            self._failed("match", err)
+            return result
+
+    def _match(self, key: Any, result: Any) -> Any:
+        bs = self.block_size
+        held = len(result.device_indices) + result.host_hit_length
+        want = len(key) // bs * bs
+        start = held // bs * bs
+        if want - start < bs:
+            return result  # no whole block after the device and host hit
+        ids = np.asarray(key.token_ids[:want], dtype=np.int64)
+        salt = _salt(key.extra_key)
+        self._count("lookups")
+        found = self.reader.lookup(ids, salt=salt, start=start)
+        if start + found < want:
+            # One prefetch per prompt and starting block: the prompt's last block key names
+            # its tokens (and salt); the start moves on as the device and host hold more.
+            name = f"{self.reader.block_hashes(ids, salt=salt)[-1]}@{start}"
+            job = self._prefetcher.start(ids, salt, start + found, name)
+            if job is not None and self._budget > 0:
+                began = time.monotonic()
+                job.done.wait(self._budget)
+                waited = time.monotonic() - began
+                self._budget -= waited
+                self._count("waited_s", waited)
+                found = self.reader.lookup(ids, salt=salt, start=start)
+        end = start + found
+        if end <= held:
+            return result
+        self._count("hits")
+        self._count("hit_tokens", end - held)
+        hit = _StoreHit(
+            anchor=result.last_host_node,
+            key=key[:end],
+            ids=ids[:end],
+            salt=salt,
+            start=start,
+            device_indices=np.asarray(result.device_indices),
+            host_tokens=result.host_hit_length,
+        )
+        return result._replace(last_host_node=hit, host_hit_length=end - len(result.device_indices))
+
+    # ---- load -----------------------------------------------------------------------------
+
+    def load_back(
+        self, hit: _StoreHit, host: tuple[np.ndarray, Any, list], mem_quota: int | None
+    ) -> tuple[np.ndarray, Any, list]:
+        """`init_load_back` for `hit` once HiCache loaded its host part (`host`, sglang-jax's
+        `(device_indices, last_node, flush_plan)`): the store's blocks copied into new device
+        slots and inserted as device nodes. Returns the same triple, extended; `host` itself
+        when no store block could be loaded (allocation or the store failed)."""
+        from sgl_jax.srt.mem_cache.base_prefix_cache import (
+            EvictParams,
+            InsertParams,
+            MatchPrefixParams,
+        )
+
+        host_indices, node, plan = host
+        tree, bs = self.tree, self.block_size
+        held = len(hit.device_indices) + hit.host_tokens
+        n = len(hit.ids) - hit.start
+        if mem_quota is not None:
+            n = min(n, (mem_quota - len(host_indices)) // bs * bs)
+        if hit.start + n <= held:
+            return host
+        dp_rank = hit.key.dp_rank or 0
+        allocator = tree.token_to_kv_pool_allocator
+        # `node` ends the device prefix now; locked, eviction cannot take it (nor the host
+        # part just reloaded under it) for the room the store's blocks need.
+        lock = tree.inc_lock_ref(node)
+        try:
+            available = allocator.available_size(dp_rank)
+            if available < n:
+                tree.evict(EvictParams(num_tokens=n - available, dp_rank=dp_rank))
+            slots = allocator.alloc(n, dp_rank=dp_rank)
+        finally:
+            tree.dec_lock_ref(node, lock.to_dec_params())
+        if slots is None:
+            return host
+        slots = np.asarray(slots, dtype=np.int32)
+        try:
+            got = self._load(hit, slots)
+        except Exception as err:  # a failing store or damaged records: recomputed
+            self._failed("load", err)
+            got = 0
+        end = hit.start + got
+        if end <= held:
+            allocator.free(slots, dp_rank=dp_rank)
+            return host
+        prefix = np.concatenate([hit.device_indices, host_indices]).astype(np.int32)
+        value = np.concatenate([prefix[: hit.start], slots[:got]])
+        inserted = tree.insert(InsertParams(key=hit.key[:end], value=value))
+        # The tree holds tokens [0, prefix_len) already (from `held` on, none unless another
+        # request inserted them since the match) and took the slots of [prefix_len, end).
+        duplicate = max(inserted.prefix_len - hit.start, 0)
+        unused = np.concatenate([slots[:duplicate], slots[got:]])
+        if len(unused):
+            allocator.free(unused, dp_rank=dp_rank)
+        loaded = self.reader.block_hashes(hit.ids[:end], salt=hit.salt)[hit.start // bs :]
+        self._known.remember(loaded)
+        self._count("loads")
+        self._count("loaded_tokens", end - held)
+        matched = tree.match_prefix(MatchPrefixParams(key=hit.key[:end], full_only=True))
+        return matched.device_indices[len(hit.device_indices) :], matched.last_device_node, plan
+
+    def _load(self, hit: _StoreHit, slots: np.ndarray) -> int:
+        """Copies `hit`'s blocks from host memory into `slots`; the tokens copied."""
+        barrier = getattr(self.tree, "_donation_barrier", None)
+        if barrier is not None:
+            # The overlap scheduler's: until the last forward's launch rebinds kv_buffer, the
+            # buffers the pool holds are being donated to it.
+            barrier()
+        pool = self.tree.token_to_kv_pool_allocator.get_kvcache()
+        ids = hit.ids[: hit.start + len(slots)]
+        _, got = self.reader.load(pool, ids, slots, salt=hit.salt, start=hit.start)
+        return got
+
+    # ---- write ----------------------------------------------------------------------------
+
+    def write_through(self, node: Any) -> None:
+        """Hands the path from the root to `node` to the store (the blocks it does not hold
+        yet): the snapshot now, the writes in the background. Called where HiCache backs the
+        node up, so the store gets what host memory gets."""
+        try:
+            path = self._path(node)
+            if path is None or len(path[0]) < self.block_size:
+                return
+            with self._lock:
+                if self._writes >= _MAX_WRITES:
+                    self._counters["writes_refused"] += 1
+                    return
+                self._writes += 1
+            try:
+                pool = self.tree.token_to_kv_pool_allocator.get_kvcache()
+                future = self.writer.store_async(pool, path[0], path[1], salt=path[2])
+            except BaseException:
+                with self._lock:
+                    self._writes -= 1
+                raise
+            self._count("writes")
+            future.add_done_callback(self._written)
+        except Exception as err:  # a failing store: the blocks are not kept
+            self._failed("write", err)
+
+    def _written(self, future: Future) -> None:
+        with self._lock:
+            self._writes -= 1
+        err = future.exception()
+        if err is not None:
+            self._failed("write", err)
+
+    def _path(self, node: Any) -> tuple[np.ndarray, np.ndarray, str | None] | None:
+        """Token ids, device slots and salt of the path from the root to `node`; None for the
+        root or a path through a node with no device copy."""
+        root = self.tree.root_node
+        if node is root:
+            return None
+        salt = _salt(node.key.extra_key)
+        tokens, slots = [], []
+        while node is not root:
+            value = node.component_data[self._full].value
+            if value is None:
+                return None
+            tokens.append(np.asarray(node.key.token_ids, dtype=np.int64))
+            slots.append(np.asarray(value))
+            node = node.parent
+        return np.concatenate(tokens[::-1]), np.concatenate(slots[::-1]), salt
+
+    # ---- upkeep ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the tier, each with one meaning:
+
+        - `lookups`: matches that asked the store (the device and host match ended a block or
+          more before the prompt's last whole block); `hits`, `hit_tokens`: those that
+          reported store blocks, and the tokens reported beyond the device and host match.
+        - `loads`, `loaded_tokens`: load-backs that copied store blocks into the device pool,
+          and the tokens they added to the tree.
+        - `prefetches`: reads of the store started; `prefetches_refused`: not started, because
+          `_MAX_PREFETCHES` were in flight. `waited_s`: the time matches waited for them.
+        - `writes`: `store_async` calls for HiCache's backups; `writes_refused`: backups not
+          written, because `_MAX_WRITES` calls were in flight; `writes_in_flight`: now.
+        - `errors`: failures of the store or the tier (each a request recomputed, or blocks
+          not written), also logged on the `jaxkv` logger.
+        - `writer`, `reader`: the two connectors' `stats()` (the writer's `"store"` is the
+          store's; the reader's is the prefetch buffer's).
+        """
+        with self._lock:
+            counters: dict[str, Any] = dict(self._counters)
+            counters["writes_in_flight"] = self._writes
+        return {**counters, "writer": self.writer.stats(), "reader": self.reader.stats()}
+
+    def flush(self) -> None:
+        """Waits until every write handed to the store so far has finished."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Finishes the writes in flight and stops the background threads."""
+        self._prefetcher.close()
+        self.writer.close()
+        self.reader.close()
+
+
+# ---- the tree -----------------------------------------------------------------------------
+
+
+@functools.cache
+def radix_cache_class() -> Any:
+    """`StoreRadixCache`, made on the first call: it subclasses sglang-jax's
+    `UnifiedRadixCache`, imported then (`from ... import StoreRadixCache` calls this too).
+
+    Raises:
+        ImportError: sglang-jax cannot be imported.
+    """
+    from sgl_jax.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    class StoreRadixCache(UnifiedRadixCache):
+        """sglang-jax's `UnifiedRadixCache` over a jaxkv store (see the module's docstring).
+
+        Args:
+            *args, **kwargs: `UnifiedRadixCache`'s.
+            store, namespace, wait_s, prefetch_bytes: the tier's (`StoreTier`).
+
+        Attributes:
+            jaxkv: the `StoreTier` (its `stats`, `flush` and `close`).
+        """
+
+        def __init__(
+            self,
+            *args: Any,
+            store: BlockStore,
+            namespace: str = "default",
+            wait_s: float = _WAIT_S,
+            prefetch_bytes: int = _PREFETCH_BYTES,
+            **kwargs: Any,
+        ):
+            super().__init__(*args, **kwargs)
+            self.jaxkv = StoreTier(
+                self, store, namespace=namespace, wait_s=wait_s, prefetch_bytes=prefetch_bytes
+            )
+
+        @classmethod
+        def from_tree(cls, tree: UnifiedRadixCache, **tier: Any) -> StoreRadixCache:
+            """A new, empty tree with `tree`'s constructor arguments (read back from its
+            attributes of the same names) and the tier's (`store=`, ...)."""
+            names = [n for n in inspect.signature(UnifiedRadixCache.__init__).parameters][1:]
+            missing = [n for n in names if not hasattr(tree, n)]
+            if missing:
+                raise TypeError(
+                    f"tree: expected a UnifiedRadixCache keeping its arguments {names} as "
+                    f"attributes, got a {type(tree).__name__} without {missing}"
+                )
+            return cls(**{n: getattr(tree, n) for n in names}, **tier)
+
+        def match_prefix(self, params):
+            return self.jaxkv.match(params, super().match_prefix(params))
+
+        def init_load_back(self, last_host_node, host_hit_length, mem_quota=None):
+            if not isinstance(last_host_node, _StoreHit):
+                return super().init_load_back(last_host_node, host_hit_length, mem_quota)
+            hit = last_host_node
+            host = (np.empty((0,), dtype=np.int32), hit.anchor, [])
+            if hit.host_tokens:
+                host = super().init_load_back(hit.anchor, hit.host_tokens, mem_quota)
+                if len(host[0]) < hit.host_tokens:
+                    # HiCache's load-back is all or nothing; without it the store's blocks
+                    # would hang below a host tombstone.
+                    return host
+            return self.jaxkv.load_back(hit, host, mem_quota)
+
+        def write_backup(self, node, write_back=False):
+            pages = super().write_backup(node, write_back)
+            self.jaxkv.write_through(node)
+            return pages
+
+        def check_hicache_events(self):
+            # The scheduler's call at the start of each prefill round.
+            super().check_hicache_events()
+            self.jaxkv.new_round()
+
+    return StoreRadixCache
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StoreRadixCache":
+        return radix_cache_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- the hook -----------------------------------------------------------------------------
+
+
+def _store_tree(tree: Any, server_args: Any, settings: StoreSettings) -> Any:
+    """`tree`, as sglang-jax's factory built it, rebuilt as a `StoreRadixCache`."""
+    from sgl_jax.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    hicache = getattr(server_args, "hicache_storage", "disable")
+    if hicache != "none":
+        raise ValueError(
+            f"--hicache-storage: expected none with {ENV_STORE} set (jaxkv's store sits "
+            f"under HiCache's host memory), got {hicache}"
+        )
+    if type(tree) is not UnifiedRadixCache:
+        raise ValueError(
+            "tree cache: expected sglang-jax's UnifiedRadixCache (full attention), got "
+            f"{type(tree).__name__}"
+        )
+    return radix_cache_class().from_tree(
+        tree,
+        store=open_store(settings.store),
+        namespace=settings.namespace or namespace_of(server_args),
+        wait_s=settings.wait_s,
+        prefetch_bytes=settings.prefetch_bytes,
+    )
+
+
+class _Factory:
+    """sglang-jax's `default_radix_cache_factory`, wrapped: the tree it builds is rebuilt as a
+    `StoreRadixCache` over the store `settings` names."""
+
+    def __init__(self, original: Callable[[Any], Any], settings: StoreSettings):
+        self.original = original
+        self.settings = settings
+
+    def __call__(self, ctx: Any) -> Any:
+        return _store_tree(self.original(ctx), ctx.server_args, self.settings)
+
+
+def _registry() -> Any:
+    from sgl_jax.srt.mem_cache import registry
+
+    return registry
+
+
+def install(settings: StoreSettings | None = None) -> None:
+    """Makes sglang-jax build `StoreRadixCache` trees, in this process.
+
+    Replaces `default_radix_cache_factory` in sglang-jax's `sgl_jax.srt.mem_cache.registry`
+    (the module attribute its `create_tree_cache` calls, which `init_hicache` then equips) by
+    a wrapper that rebuilds the tree it returns over the store `settings` names. Installing
+    again replaces the settings. sglang-jax's scheduler runs in a process of its own: run the
+    server with `python -m jaxkv.integrations.sglang_jax.serve`, which installs the hook in
+    every process it spawns, or call this at the top level of the main module (outside
+    `if __name__ == "__main__":`) of a program that starts sglang-jax's `Engine`.
+
+    Args:
+        settings: None reads them from the environment (`StoreSettings.from_env`).
+
+    Raises:
+        ValueError: settings missing from, or malformed in, the environment.
+        TypeError: `settings` that are not `StoreSettings`.
+        ImportError: sglang-jax cannot be imported.
+    """
+    settings = StoreSettings.from_env() if settings is None else settings
+    if not isinstance(settings, StoreSettings):
+        raise TypeError(f"settings: expected StoreSettings or None, got {type(settings).__name__}")
+    registry = _registry()
+    current = registry.default_radix_cache_factory
+    original = current.original if isinstance(current, _Factory) else current
+    registry.default_radix_cache_factory = _Factory(original, settings)
+
+
+def uninstall() -> None:
+    """Puts sglang-jax's own tree factory back (nothing when `install` did not run)."""
+    registry = _registry()
+    current = registry.default_radix_cache_factory
+    if isinstance(current, _Factory):
+        registry.default_radix_cache_factory = current.original
+
+
+def installed() -> StoreSettings | None:
+    """The settings the hook is installed with in this process, or None."""
+    current = _registry().default_radix_cache_factory
+    return current.settings if isinstance(current, _Factory) else None
