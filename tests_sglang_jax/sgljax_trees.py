@@ -40,9 +40,11 @@ from jaxkv.integrations.sglang_jax import storage
 
 # Pools for the tree tests: enough pages for a prompt of several blocks plus room to load it
 # again. Page 4 keeps the connector's block at the page; page 1 makes it 16 tokens, so a tree
-# node boundary can fall inside a block.
+# node boundary can fall inside a block; tp2 splits the heads over two devices, whose shards
+# the connector keys apart.
 CONFIGS = {
     "mha-bf16-p4": sp.Config("mha-bf16-p4", "mha", "bfloat16", 4, 128),
+    "mha-bf16-p4-tp2": sp.Config("mha-bf16-p4-tp2", "mha", "bfloat16", 4, 128, head_num=4, tp=2),
     "mha-f32-p1": sp.Config("mha-f32-p1", "mha", "float32", 1, 128),
     "mla-bf16-p4": sp.Config(
         "mla-bf16-p4", "mla", "bfloat16", 4, 128, kv_lora_rank=512, qk_rope_head_dim=64

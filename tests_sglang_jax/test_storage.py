@@ -66,6 +66,7 @@ def _whole_blocks(t: st.Tree, n: int) -> int:
         ("mha-bf16-p4", "disk"),
         ("mha-f32-p1", "disk"),
         ("mla-bf16-p4", "disk"),
+        ("mha-bf16-p4-tp2", "disk"),
         ("mha-bf16-p4", "host+disk"),
     ],
 )
@@ -76,6 +77,7 @@ def test_evicted_prefix_is_served_from_the_store(hook, tmp_path, rng, config, st
     t = _tree(trees, st.CONFIGS[config], rng)
     assert isinstance(t.tree, storage.radix_cache_class())
     assert isinstance(t.tree, UnifiedRadixCache) and t.tree.hicache_enabled
+    sharding = t.pool.kv_buffer[0].sharding
     tokens = _prompt(rng)
     want = st.rows(t, st.insert(t, tokens))
     st.evict_everything(t)
@@ -86,6 +88,7 @@ def test_evicted_prefix_is_served_from_the_store(hook, tmp_path, rng, config, st
     assert match.host_hit_length == n and len(match.device_indices) == 0
     assert len(prefix) == n
     np.testing.assert_array_equal(st.rows(t, prefix), want[:, :n])
+    assert all(b.sharding == sharding for b in t.pool.kv_buffer)
     # The prefix is the tree's again, on the device: the next request hits it there.
     again, rematch = st.serve(t, tokens)
     np.testing.assert_array_equal(again, prefix)

@@ -42,6 +42,7 @@ sglang-jax is imported only when a tree is built or the hook installed: jaxkv im
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -49,7 +50,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -334,70 +335,146 @@ class _KnownKeys(BlockStore):
 
 @dataclasses.dataclass
 class _Prefetch:
-    """One prefetch: `done` is set when it ended (whatever it found is in the buffer)."""
+    """One prefetch: `done` is set when it ended (whatever it found is in host memory)."""
 
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     finished_at: float | None = None
 
 
-class _Prefetcher:
-    """Reads blocks from the store into host memory (the reader's buffer), on background
-    threads, a `_BATCH` of blocks at a time; at most `max_blocks` blocks per prefetch."""
+class _ReadAhead(BlockStore):
+    """The read side of a store: answers from host memory alone (`cache`), so the lookups and
+    loads the scheduler's thread runs never wait on the store; `fetch` fills it from the store
+    on background threads, a `_BATCH` of blocks at a time.
 
-    def __init__(self, tier: StoreTier, max_blocks: int):
-        self._tier = tier
+    While `seen()` is open, every key asked for (`contains_many`) or served (`get_many`) is
+    recorded with its answer: that is how the tier learns the keys the connector uses for a
+    prompt, per shard of a sharded pool, without computing them itself.
+
+    Args:
+        store: the store.
+        capacity: bytes of host memory for the blocks read ahead.
+        max_blocks: the most blocks one prefetch reads, per shard.
+        count: called with a counter's name: "prefetches" (one started), "prefetches_refused".
+        failed: called with (what, error) for a store call that raised.
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        capacity: int,
+        max_blocks: int,
+        count: Callable[[str], None],
+        failed: Callable[[str, BaseException], None],
+    ):
+        super().__init__()
+        self.store = store
+        self.cache = HostStore(capacity, preallocate_bytes=0)
         self._max_blocks = max_blocks
-        self._lock = threading.Lock()
+        self._count_as = count
+        self._on_error = failed
+        self._seen: list[tuple[list[str], list[bool]]] | None = None
         self._jobs: collections.OrderedDict[str, _Prefetch] = collections.OrderedDict()
         self._running = 0
         self._threads = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="jaxkv-prefetch")
 
-    def start(self, ids: np.ndarray, salt: str | None, first: int, name: str) -> _Prefetch | None:
-        """The prefetch of `ids`' blocks from token `first` on, named `name`: the one in
-        flight, or a new one. None when one finished less than `_RECHECK_S`
-        ago (what it found is in the buffer) or `_MAX_PREFETCHES` are in flight."""
+    @contextlib.contextmanager
+    def seen(self) -> Iterator[list[tuple[list[str], list[bool]]]]:
+        """Records, while open, the keys asked for or served, each call's with its answers
+        (the scheduler's thread alone calls this)."""
+        seen: list[tuple[list[str], list[bool]]] = []
+        self._seen = seen
+        try:
+            yield seen
+        finally:
+            self._seen = None
+
+    def contains(self, key: str) -> bool:
+        return self.cache.contains(key)
+
+    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+        held = self.cache.contains_many(keys, stop_at_miss=stop_at_miss)
+        if self._seen is not None:
+            self._seen.append((list(keys), list(held)))
+        return held
+
+    def get(self, key: str):
+        return self.cache.get(key)
+
+    def get_many(self, keys: Sequence[str], *, stop_at_miss: bool = False):
+        got = self.cache.get_many(keys, stop_at_miss=stop_at_miss)
+        if self._seen is not None:
+            self._seen.append((list(keys), [r is not None for r in got]))
+        return got
+
+    def put(self, record) -> bool:
+        return self.cache.put(record)
+
+    def discard(self, key: str) -> bool:
+        # A record the connector found wrong: gone from host memory now, and from the store
+        # in the background (so that the next write of the block repairs it).
+        self._threads.submit(self._discard_stored, key)
+        return self.cache.discard(key)
+
+    def _discard_stored(self, key: str) -> None:
+        try:
+            self.store.discard(key)
+        except Exception as err:
+            self._on_error("discard", err)
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def stats(self) -> dict[str, Any]:
+        return self.cache.stats()
+
+    def fetch(self, groups: list[list[str]], name: str) -> _Prefetch | None:
+        """The prefetch named `name` of the blocks `groups` (per shard, in prefix order): the
+        one in flight, or a new one. None when one of that name finished less than
+        `_RECHECK_S` ago (what it found is in host memory), or `_MAX_PREFETCHES` are in
+        flight."""
         now = time.monotonic()
         with self._lock:
-            job = self._jobs.get(name)
-            if job is not None:
-                if job.finished_at is None:
-                    return job
-                if now - job.finished_at < _RECHECK_S:
+            last = self._jobs.get(name)
+            if last is not None:
+                if last.finished_at is None:
+                    return last
+                if now - last.finished_at < _RECHECK_S:
                     return None
-            if self._running >= _MAX_PREFETCHES:
-                job = None
-            else:
+            refused = self._running >= _MAX_PREFETCHES
+            if not refused:
                 self._running += 1
                 job = self._jobs[name] = _Prefetch()
                 self._jobs.move_to_end(name)
                 while len(self._jobs) > _KEPT_PREFETCHES + self._running:
                     oldest = next(k for k, j in self._jobs.items() if j.finished_at is not None)
                     del self._jobs[oldest]
-        if job is None:
-            self._tier._count("prefetches_refused")
+        if refused:
+            self._count_as("prefetches_refused")
             return None
-        self._tier._count("prefetches")
-        self._threads.submit(self._run, job, ids, salt, first)
+        self._count_as("prefetches")
+        self._threads.submit(self._run, job, [keys[: self._max_blocks] for keys in groups])
         return job
 
-    def _run(self, job: _Prefetch, ids: np.ndarray, salt: str | None, first: int) -> None:
-        tier = self._tier
+    def _run(self, job: _Prefetch, groups: list[list[str]]) -> None:
         try:
-            skip = first // tier.block_size
-            keys = tier.reader.block_hashes(ids, salt=salt)[skip : skip + self._max_blocks]
-            for i in range(0, len(keys), _BATCH):
-                batch = keys[i : i + _BATCH]
-                found = []
-                for record in tier.store.get_many(batch, stop_at_miss=True):
-                    if record is None:
+            for keys in groups:
+                for i in range(0, len(keys), _BATCH):
+                    batch = keys[i : i + _BATCH]
+                    found = []
+                    for record in self.store.get_many(batch, stop_at_miss=True):
+                        if record is None:
+                            break
+                        found.append(record)
+                    if found:
+                        self.cache.put_many(found)
+                    if len(found) < len(batch):
                         break
-                    found.append(record)
-                if found:
-                    tier.buffer.put_many(found)
-                if len(found) < len(batch):
-                    break
         except Exception as err:  # a failing store: the blocks are recomputed
-            tier._failed("prefetch", err)
+            self._on_error("prefetch", err)
         finally:
             with self._lock:
                 job.finished_at = time.monotonic()
@@ -497,14 +574,13 @@ class StoreTier:
         #: Writes HiCache's backups to the store (through `_KnownKeys`).
         self.writer = KVConnector(pool, self._known, namespace=namespace, max_pending=_MAX_WRITES)
         self.block_size = self.writer.block_size
-        #: Host memory the prefetches fill and loads read.
-        self.buffer = HostStore(prefetch_bytes, preallocate_bytes=0)
-        #: Loads prefetched blocks into the device pool.
+        block_bytes = self.writer.layout.block_nbytes(self.block_size)
+        max_blocks = max(1, prefetch_bytes // (2 * block_bytes))
+        self._ahead = _ReadAhead(store, prefetch_bytes, max_blocks, self._count, self._failed)
+        #: Looks prefixes up in, and loads them from, the blocks read ahead.
         self.reader = KVConnector(
-            pool, self.buffer, namespace=namespace, block_size=self.block_size
+            pool, self._ahead, namespace=namespace, block_size=self.block_size
         )
-        block_bytes = self.reader.layout.block_nbytes(self.block_size)
-        self._prefetcher = _Prefetcher(self, max(1, prefetch_bytes // (2 * block_bytes)))
         self._budget = self.wait_s
         self._writes = 0  # `store_async` calls in flight
         self._lock = threading.Lock()
@@ -548,12 +624,13 @@ class StoreTier:
         ids = np.asarray(key.token_ids[:want], dtype=np.int64)
         salt = _salt(key.extra_key)
         self._count("lookups")
-        found = self.reader.lookup(ids, salt=salt, start=start)
+        with self._ahead.seen() as asked:
+            found = self.reader.lookup(ids, salt=salt, start=start)
         if start + found < want:
-            # One prefetch per prompt and starting block: the prompt's last block key names
-            # its tokens (and salt); the start moves on as the device and host hold more.
-            name = f"{self.reader.block_hashes(ids, salt=salt)[-1]}@{start}"
-            job = self._prefetcher.start(ids, salt, start + found, name)
+            # Per shard, its keys from the first one not in host memory on. One prefetch per
+            # prompt and first block: the last key names the tokens (and salt) before it.
+            missing = [keys[held.index(False) :] for keys, held in asked if False in held]
+            job = self._ahead.fetch(missing, f"{asked[0][0][-1]}@{start}")
             if job is not None and self._budget > 0:
                 began = time.monotonic()
                 job.done.wait(self._budget)
@@ -616,8 +693,9 @@ class StoreTier:
             return host
         slots = np.asarray(slots, dtype=np.int32)
         try:
-            got = self._load(hit, slots)
-        except Exception as err:  # a failing store or damaged records: recomputed
+            with self._ahead.seen() as served:
+                got = self._load(hit, slots)
+        except Exception as err:  # damaged records, or a failing transfer: recomputed
             self._failed("load", err)
             got = 0
         end = hit.start + got
@@ -633,8 +711,8 @@ class StoreTier:
         unused = np.concatenate([slots[:duplicate], slots[got:]])
         if len(unused):
             allocator.free(unused, dp_rank=dp_rank)
-        loaded = self.reader.block_hashes(hit.ids[:end], salt=hit.salt)[hit.start // bs :]
-        self._known.remember(loaded)
+        # Blocks read from the store are held there: the write side need not ask again.
+        self._known.remember([k for keys, got in served for k, ok in zip(keys, got) if ok])
         self._count("loads")
         self._count("loaded_tokens", end - held)
         matched = tree.match_prefix(MatchPrefixParams(key=hit.key[:end], full_only=True))
@@ -720,7 +798,7 @@ class StoreTier:
         - `errors`: failures of the store or the tier (each a request recomputed, or blocks
           not written), also logged on the `jaxkv` logger.
         - `writer`, `reader`: the two connectors' `stats()` (the writer's `"store"` is the
-          store's; the reader's is the prefetch buffer's).
+          store's; the reader's is the host memory of the blocks read ahead).
         """
         with self._lock:
             counters: dict[str, Any] = dict(self._counters)
@@ -733,7 +811,7 @@ class StoreTier:
 
     def close(self) -> None:
         """Finishes the writes in flight and stops the background threads."""
-        self._prefetcher.close()
+        self._ahead.close()
         self.writer.close()
         self.reader.close()
 
