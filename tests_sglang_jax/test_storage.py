@@ -235,6 +235,26 @@ def test_install_wraps_and_uninstall_restores_the_factory(tmp_path):
     assert registry.default_radix_cache_factory is own and storage.installed() is None
 
 
+def test_install_can_put_hicaches_host_tier_on_jaxkv(tmp_path):
+    from sgl_jax.srt.mem_cache import host_kv_pool
+
+    import jaxkv.integrations.sglang_jax as integration
+
+    own = host_kv_pool.LRUHostKVPool
+    env = {storage.ENV_STORE: f"disk:{tmp_path}", storage.ENV_HOST_POOL: "jaxkv"}
+    settings = storage.StoreSettings.from_env(env)
+    assert settings.host_pool
+    try:
+        storage.install(settings)
+        storage.install(settings)
+        assert host_kv_pool.LRUHostKVPool is integration.LRUHostKVPool
+    finally:
+        storage.uninstall()
+    assert host_kv_pool.LRUHostKVPool is own
+    with pytest.raises(ValueError, match="JAXKV_SGLANG_JAX_HOST_POOL: expected 'jaxkv'"):
+        storage.StoreSettings.from_env({**env, storage.ENV_HOST_POOL: "yes"})
+
+
 def test_the_hook_needs_hicache(hook, tmp_path, rng):
     install, trees = hook
     install(f"disk:{tmp_path}")

@@ -34,7 +34,7 @@ connector's, for jaxkv's pools and sglang-jax's), so these blocks are the blocks
 Turning it on: `python -m jaxkv.integrations.sglang_jax.serve` (the `serve` module) runs
 sglang-jax's server with `install()` done in every process it spawns, configured by the
 `JAXKV_SGLANG_JAX_*` environment variables (`StoreSettings.from_env`); sglang-jax's own
-`--hicache-storage none` turns HiCache on. See docs/sglang_jax_l3.md.
+`--hicache-storage none` turns HiCache on. See docs/sglang_jax.md ("The persistent tier").
 
 sglang-jax is imported only when a tree is built or the hook installed: jaxkv imports without it.
 """
@@ -63,6 +63,7 @@ ENV_STORE = "JAXKV_SGLANG_JAX_STORE"
 ENV_NAMESPACE = "JAXKV_SGLANG_JAX_NAMESPACE"
 ENV_WAIT_MS = "JAXKV_SGLANG_JAX_WAIT_MS"
 ENV_PREFETCH_MB = "JAXKV_SGLANG_JAX_PREFETCH_MB"
+ENV_HOST_POOL = "JAXKV_SGLANG_JAX_HOST_POOL"
 
 _WAIT_S = 0.02
 _PREFETCH_BYTES = 256 << 20
@@ -207,6 +208,8 @@ class StoreSettings:
             (`namespace_of`).
         wait_s: the most one scheduling round waits for store lookups, in seconds (>= 0).
         prefetch_bytes: host memory for blocks read ahead from the store (> 0).
+        host_pool: also put HiCache's host tier (L2) on jaxkv's host memory: `install` makes
+            sglang-jax's `init_hicache` build `jaxkv.integrations.sglang_jax.LRUHostKVPool`.
 
     Raises:
         ValueError: a malformed `store` spec, a negative or non-finite `wait_s`, or a
@@ -218,8 +221,11 @@ class StoreSettings:
     namespace: str | None = None
     wait_s: float = _WAIT_S
     prefetch_bytes: int = _PREFETCH_BYTES
+    host_pool: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.host_pool, bool):
+            raise TypeError(f"host_pool: expected a bool, got {type(self.host_pool).__name__}")
         _spec_parts(self.store)
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise TypeError(
@@ -235,6 +241,8 @@ class StoreSettings:
         - `JAXKV_SGLANG_JAX_NAMESPACE`: the namespace (default: from the server's arguments).
         - `JAXKV_SGLANG_JAX_WAIT_MS`: the wait per scheduling round, in ms (default 20).
         - `JAXKV_SGLANG_JAX_PREFETCH_MB`: host memory for prefetched blocks, in MiB (256).
+        - `JAXKV_SGLANG_JAX_HOST_POOL`: `jaxkv` puts HiCache's host tier on jaxkv's
+          `LRUHostKVPool` too; `sglang-jax` (the default) keeps sglang-jax's own.
 
         Args:
             environ: the variables; None reads `os.environ`.
@@ -253,11 +261,17 @@ class StoreSettings:
             raise ValueError(f"{ENV_STORE}: {str(err).removeprefix('store: ')}") from None
         wait_ms = _env_number(env, ENV_WAIT_MS, _WAIT_S * 1e3, positive=False)
         mib = _env_number(env, ENV_PREFETCH_MB, _PREFETCH_BYTES / (1 << 20), positive=True)
+        host_pool = env.get(ENV_HOST_POOL, "sglang-jax")
+        if host_pool not in ("jaxkv", "sglang-jax"):
+            raise ValueError(
+                f"{ENV_HOST_POOL}: expected 'jaxkv' or 'sglang-jax', got {host_pool!r}"
+            )
         return cls(
             store=store,
             namespace=env.get(ENV_NAMESPACE) or None,
             wait_s=wait_ms / 1e3,
             prefetch_bytes=max(1, int(mib * (1 << 20))),
+            host_pool=host_pool == "jaxkv",
         )
 
 
@@ -972,7 +986,25 @@ def install(settings: StoreSettings | None = None) -> None:
     registry = _registry()
     current = registry.default_radix_cache_factory
     original = current.original if isinstance(current, _Factory) else current
+    _set_host_pool(settings.host_pool)
     registry.default_radix_cache_factory = _Factory(original, settings)
+
+
+# sglang-jax's own host pool class while jaxkv's stands in its module (`init_hicache` imports
+# the class from there each time it builds a cache).
+_SGLANG_JAX_HOST_POOL: list[Any] = []
+
+
+def _set_host_pool(jaxkv_pool: bool) -> None:
+    from sgl_jax.srt.mem_cache import host_kv_pool
+
+    if jaxkv_pool and not _SGLANG_JAX_HOST_POOL:
+        from jaxkv.integrations.sglang_jax import LRUHostKVPool
+
+        _SGLANG_JAX_HOST_POOL.append(host_kv_pool.LRUHostKVPool)
+        host_kv_pool.LRUHostKVPool = LRUHostKVPool
+    elif not jaxkv_pool and _SGLANG_JAX_HOST_POOL:
+        host_kv_pool.LRUHostKVPool = _SGLANG_JAX_HOST_POOL.pop()
 
 
 def uninstall() -> None:
@@ -981,6 +1013,7 @@ def uninstall() -> None:
     current = registry.default_radix_cache_factory
     if isinstance(current, _Factory):
         registry.default_radix_cache_factory = current.original
+    _set_host_pool(False)
 
 
 def installed() -> StoreSettings | None:
