@@ -57,18 +57,6 @@ settings.register_profile("lean", max_examples=10)
 settings.register_profile("thorough", max_examples=200)
 settings.load_profile("lean")
 
-# Re-exported for the test files that still import these names from conftest (test_serving.py,
-# test_cli.py, test_models.py, test_radix_cache.py) until they import them from helpers; nothing
-# else belongs here.
-from helpers import (  # noqa: E402, F401
-    REPO,
-    SMALL_DECODER,
-    random_mha_pool,
-    raw_rows,
-    run_python,
-    same_bits,
-)
-
 
 @pytest.fixture(scope="session", params=ALL_DTYPES, ids=lambda d: d.name)
 def pool_dtype(request) -> np.dtype:

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO as ROOT
-from conftest import SMALL_DECODER, run_python
+from helpers import REPO as ROOT
+from helpers import SMALL_DECODER, run_python
 from redis_server import MISSING, LocalRedis
 
 from jaxkv import bench, demo

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL_DECODER as SMALL
+from helpers import SMALL_DECODER as SMALL
 
 from jaxkv.models import (
     LOGIT_BOUNDS,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_mha_pool, raw_rows, same_bits
+from helpers import random_mha_pool, raw_rows, same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

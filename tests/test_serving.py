@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL_DECODER as SMALL
-from conftest import run_python
+from helpers import SMALL_DECODER as SMALL
+from helpers import run_python
 
 from jaxkv import PagedAllocator, RadixCache, ReqToTokenPool, demo
 from jaxkv.connector import DiskStore, HostStore, KVConnector
