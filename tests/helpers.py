@@ -25,10 +25,12 @@ subnormals bit-exactly.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -592,3 +594,31 @@ def token_seq(i: int, blocks: int = 1) -> np.ndarray:
 def assert_rows(pool, slots, want) -> None:
     """The stored rows of `pool` at `slots` are bit for bit `want` (from `raw_rows`)."""
     assert same_bits(raw_rows(pool, slots), want)
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile arguments at the public boundary (the allocators' and the connector's fuzzers)
+
+# What a refused call may raise; the message names the argument refused.
+BOUNDARY_ERRORS = (ValueError, TypeError, IndexError)
+# One argument of any wrong kind: ints past int64 and negative ones, floats (NaN included),
+# bools, None, text, lists nested or past int64, numpy ints and uint64 vectors past int64.
+HOSTILE_ARG = st.one_of(
+    st.integers(-(2**65), 2**65),
+    st.integers(-3, 40),
+    st.floats(allow_nan=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=3),
+    st.lists(st.integers(-5, 40), max_size=6),
+    st.lists(st.integers(-(2**64), 2**64), max_size=3),
+    st.lists(st.floats(-5, 40), min_size=1, max_size=3),
+    st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=2), min_size=1, max_size=2),
+    st.builds(np.int64, st.integers(-5, 40)),
+    st.builds(lambda n: np.arange(n, dtype=np.uint64) + np.uint64(2**63), st.integers(1, 3)),
+)
+
+
+def names_an_argument(err: BaseException, names) -> bool:
+    """Whether the message of `err` names one of `names` (as a whole word)."""
+    return any(re.search(rf"\b{n}\b", str(err)) for n in names)

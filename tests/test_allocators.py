@@ -14,7 +14,8 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from helpers import BOUNDARY_ERRORS, HOSTILE_ARG, names_an_argument
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxkv import PagedAllocator, ReqToTokenPool, TokenAllocator
@@ -973,3 +974,141 @@ def test_many_frees_release_each_page_once_and_merge_sorted(p):
     assert _pages(a.alloc(len(released) * p), p) == released
     a.restore_state(state)  # the joined release list restores as it was
     assert _pages(a.alloc(len(released) * p), p) == released
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile arguments: every call gives the right result, or a ValueError/TypeError/IndexError
+# naming the argument, and changes nothing. Hand-picked cases first (each one a bug once), then
+# a fuzzer.
+
+
+def test_paged_allocator_size_must_be_a_multiple_of_page_size():
+    with pytest.raises(ValueError, match=r"size: .*page_size=4, got size=10 \(use 8 or 12\)"):
+        PagedAllocator(10, 4)
+    assert PagedAllocator(np.int64(12), np.int32(4)).available_size() == 12
+
+
+@pytest.mark.parametrize(
+    "row, start, slots, err, name",
+    [
+        (1.5, 0, [1], TypeError, "row"),
+        (1, 1.5, [1], TypeError, "start"),
+        (True, 0, [1], TypeError, "row"),
+        (1, 0, [[1, 2], [3, 4]], ValueError, "slots"),
+        (1, 0, [2**32 + 1], ValueError, "slots"),
+        (1, 0, [2**31], ValueError, "slots"),
+        (1, 0, np.array([2**63], np.uint64), ValueError, "slots"),
+        (1, 0, [1.0], TypeError, "slots"),
+        (5, 0, [1], IndexError, "row"),
+        (1, 7, [1, 2], IndexError, "start"),
+    ],
+)
+def test_req_to_token_write_refuses_what_would_change_meaning(row, start, slots, err, name):
+    pool = ReqToTokenPool(4, 8).write(1, 0, [5, 6])
+    before = np.array(pool.req_to_token)
+    with pytest.raises(err, match=name):
+        pool.write(row, start, slots, donate=False)
+    np.testing.assert_array_equal(np.array(pool.req_to_token), before)
+
+
+def test_req_to_token_write_takes_numpy_ints_and_int32_extremes():
+    pool = ReqToTokenPool(4, 8).write(np.int64(2), np.uint8(1), np.array([-1, 2**31 - 1]))
+    assert np.array(pool.req_to_token)[2, 1:3].tolist() == [-1, 2**31 - 1]
+
+
+def test_req_to_token_free_refuses_floats_without_freeing_anything():
+    pool = ReqToTokenPool(4, 8)
+    rows = pool.alloc(2)
+    for bad in (1.5, [rows[0], 2.5], True, [[1]]):
+        with pytest.raises((TypeError, ValueError), match="free_index"):
+            pool.free(bad)
+    assert pool.available_size() == 2
+    pool.free(np.int32(rows[0]))
+    assert pool.available_size() == 3
+
+
+def test_allocator_vectors_must_be_one_dimensional():
+    a = PagedAllocator(16, 4)
+    before = a.backup_state()
+    with pytest.raises(ValueError, match="seq_lens"):
+        a.alloc_extend([0, 0], [[1, 2]], [-1, -1])
+    with pytest.raises(ValueError, match="free_index"):
+        a.free([[4, 5]])
+    with pytest.raises(ValueError, match="last_loc"):  # past the pool: not a held page
+        a.alloc_decode([2], [10**6 * 4])
+    for got, want in zip(a.backup_state(), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def _alloc_state(a):
+    if isinstance(a, ReqToTokenPool):
+        return list(a._rows.free_slots), np.array(a.req_to_token)
+    return tuple(x.copy() for x in a.backup_state())
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
+    return np.array_equal(x, y)
+
+
+_CALLS = {
+    "alloc": ("need_size",),
+    "free": ("free_index",),
+    "alloc_extend": ("prefix_lens", "seq_lens", "last_loc"),
+    "alloc_decode": ("seq_lens", "last_loc"),
+    "write": ("row", "start", "slots"),
+}
+
+
+@settings(
+    max_examples=10 * settings.default.max_examples,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(st.data())
+def test_fuzz_allocators(data):
+    kind = data.draw(st.sampled_from(["token", "paged", "req"]))
+    a = {
+        "token": lambda: TokenAllocator(12),
+        "paged": lambda: PagedAllocator(16, 4),
+        "req": lambda: ReqToTokenPool(4, 8),
+    }[kind]()
+    if kind != "req":
+        a.alloc(4)  # something held, so frees and extends have pages to talk about
+    method = data.draw(
+        st.sampled_from(
+            {
+                "token": ["alloc", "free"],
+                "paged": ["alloc", "free", "alloc_extend", "alloc_decode"],
+                "req": ["alloc", "free", "write"],
+            }[kind]
+        )
+    )
+    names = _CALLS[method]
+    args = [data.draw(HOSTILE_ARG, label=n) for n in names]
+    before = _alloc_state(a)
+    available = a.available_size()
+    try:
+        out = getattr(a, method)(*args)
+    except BOUNDARY_ERRORS as err:
+        assert names_an_argument(err, names), f"{type(err).__name__}: {err}"
+        assert _same(_alloc_state(a), before), f"{method} changed state before raising"
+        return
+    # Accepted: the result is a right one.
+    if method == "write":
+        assert isinstance(out, ReqToTokenPool)
+        return
+    if method == "free":
+        assert out is None and a.available_size() >= available
+        return
+    if out is None:  # refused for want of room: nothing taken
+        assert _same(_alloc_state(a), before)
+        return
+    taken = np.asarray(out).reshape(-1)
+    if kind == "req":
+        assert all(1 <= r <= a.size for r in taken) and len(set(taken)) == len(taken)
+    else:
+        end = (a.num_pages + 1) * a.page_size
+        assert np.all((taken >= a.page_size) & (taken < end)), taken
+    assert a.available_size() <= available

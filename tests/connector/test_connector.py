@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import chex
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    BOUNDARY_ERRORS,
     CONNECTOR_KINDS,
+    HOSTILE_ARG,
     INDEX_ATTR,
     INDEX_HEAD_DIM,
     REPO,
@@ -26,6 +30,7 @@ from helpers import (
     connector_pool,
     fill_random_bits,
     model_load,
+    names_an_argument,
     nsa_kv_row,
     random_mha_pool,
     raw_bits,
@@ -35,6 +40,7 @@ from helpers import (
     scattered_slots,
     token_rows,
 )
+from hypothesis import HealthCheck, given, settings
 
 import jaxkv
 from jaxkv import MHAPool, testing
@@ -1007,3 +1013,73 @@ def test_lookup_and_load_from_a_block_on_skip_the_blocks_held_elsewhere():
             conn.lookup(tokens, start=bad)
     with pytest.raises(ValueError, match=r"slots: expected shape \(12,\)"):
         conn.load(pool, tokens, np.arange(40, 56), start=4)
+
+
+# --------------------------------------------------------------------------------------------
+# Hostile arguments: `block_hashes`, `lookup`, `store` and `load` give the right result, or a
+# ValueError/TypeError/IndexError naming the argument and change neither store nor pool
+
+FUZZ_BLOCK = 4
+
+
+def _fuzz_pool() -> MHAPool:
+    return random_mha_pool(0, size=32)
+
+
+@pytest.fixture(scope="module")
+def fuzz_conn():
+    return KVConnector(_fuzz_pool(), HostStore(1 << 20), block_size=FUZZ_BLOCK)
+
+
+_TOKENS = st.one_of(
+    st.lists(st.integers(0, 50), max_size=3 * FUZZ_BLOCK).map(np.array),
+    HOSTILE_ARG,
+    st.lists(st.integers(2**32 - 2, 2**32 + 2), min_size=1, max_size=FUZZ_BLOCK).map(np.array),
+)
+
+
+@settings(
+    max_examples=6 * settings.default.max_examples,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    st.sampled_from(["block_hashes", "lookup", "store", "load"]),
+    _TOKENS,
+    st.one_of(
+        st.none(), HOSTILE_ARG, st.lists(st.integers(-2, 40), max_size=3 * FUZZ_BLOCK).map(np.array)
+    ),
+    st.one_of(st.none(), st.sampled_from(["", "t", b"t"]), HOSTILE_ARG),
+)
+def test_fuzz_connector(fuzz_conn, method, tokens, slots, salt):
+    conn = fuzz_conn
+    store = conn.backend
+    kept = dict(store.stats())
+    src = _fuzz_pool()
+    before = np.array(src.k_buffer[0])
+    args = {"block_hashes": (tokens,), "lookup": (tokens,)}.get(method, (src, tokens, slots))
+    try:
+        out = getattr(conn, method)(*args, salt=salt)
+    except BOUNDARY_ERRORS as err:
+        assert names_an_argument(err, ("token_ids", "slots", "salt")), f"{err!r}"
+        after = store.stats()
+        assert (after["blocks"], after["blocks_stored"]) == (kept["blocks"], kept["blocks_stored"])
+        np.testing.assert_array_equal(np.array(src.k_buffer[0]), before)
+        return
+    assert salt is None or isinstance(salt, (str, bytes)), f"salt {salt!r} was taken"
+    n_blocks = len(np.asarray(tokens)) // FUZZ_BLOCK
+    if method == "block_hashes":
+        assert len(out) == n_blocks and all(re.fullmatch("[0-9a-f]{64}", h) for h in out)
+    elif method == "lookup":
+        assert out % FUZZ_BLOCK == 0 and 0 <= out <= n_blocks * FUZZ_BLOCK
+    elif method == "store":
+        assert 0 <= out <= n_blocks
+        assert conn.lookup(tokens, salt=salt) == n_blocks * FUZZ_BLOCK
+    else:
+        pool, n = out
+        assert n == conn.lookup(tokens, salt=salt)
+        # Bit-exact: what was loaded at slots[:n] is what the source pool held there when
+        # the blocks were stored (every store in this test stores from `_fuzz_pool()`).
+        got = np.array(pool.k_buffer[0])[np.asarray(slots)[:n]]
+        want = np.array(_fuzz_pool().k_buffer[0])[np.asarray(slots)[:n]]
+        np.testing.assert_array_equal(got, want)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_python
+from helpers import random_mha_pool, run_python
 
 from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
 from jaxkv.connector import HostStore, KVConnector
@@ -185,3 +186,44 @@ def test_pool_size_does_not_change_keys():
     """Same model and layout with a bigger or smaller pool (a restart with another memory
     budget) must find the blocks stored before."""
     assert _conn(_mha(size=64)).block_hashes(TOKENS) == _conn(_mha(size=512)).block_hashes(TOKENS)
+
+
+# --------------------------------------------------------------------------------------------
+# Salts: str, bytes or None, nothing that `bytes()` would turn into zero bytes
+
+SALT_BLOCK = 4
+
+
+def _salted_conn() -> KVConnector:
+    return KVConnector(random_mha_pool(0, size=32), HostStore(1 << 20), block_size=SALT_BLOCK)
+
+
+@pytest.mark.parametrize("salt", [0, 3, False, True, 1.0, bytearray(b"t"), ["t"], object()])
+def test_salts_other_than_str_bytes_or_none_are_refused(salt):
+    conn = _salted_conn()
+    tokens = np.arange(2 * SALT_BLOCK)
+    for call in (conn.block_hashes, conn.lookup):
+        with pytest.raises(TypeError, match="salt: expected a str, bytes or None"):
+            call(tokens, salt=salt)
+    with pytest.raises(TypeError, match="salt"):
+        conn.store(random_mha_pool(0, size=32), tokens, np.arange(1, 2 * SALT_BLOCK + 1), salt=salt)
+    assert len(conn.backend) == 0
+
+
+def test_a_huge_int_salt_is_refused_at_once():
+    start = time.perf_counter()
+    with pytest.raises(TypeError, match="salt"):
+        _salted_conn().block_hashes(np.arange(SALT_BLOCK), salt=10**10000)
+    assert time.perf_counter() - start < 1.0  # not a 10**10000-byte buffer
+
+
+def test_salts_keep_tenants_apart_and_text_equals_its_utf8_bytes():
+    conn = _salted_conn()
+    tokens = np.arange(SALT_BLOCK)
+    keys = {
+        repr(s): conn.block_hashes(tokens, salt=s)[0] for s in (None, "", "a", "b", b"\0", "\0\0")
+    }
+    assert len(set(keys.values())) == len(keys)
+    assert conn.block_hashes(tokens, salt="tenant-é") == conn.block_hashes(
+        tokens, salt="tenant-é".encode()
+    )
