@@ -39,6 +39,7 @@ import pytest
 
 import jaxkv
 from jaxkv import KOnlyPool, MHAPool, MLAPool, NSAPool
+from jaxkv.connector import BlockRecord
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_DTYPES = tuple(
@@ -594,6 +595,23 @@ def token_seq(i: int, blocks: int = 1) -> np.ndarray:
 def assert_rows(pool, slots, want) -> None:
     """The stored rows of `pool` at `slots` are bit for bit `want` (from `raw_rows`)."""
     assert same_bits(raw_rows(pool, slots), want)
+
+
+def block_key(i: int) -> str:
+    """Block key number `i`: 64 hex digits, as the connector's keys are."""
+    return f"{i:064x}"
+
+
+def small_record(key: str, value: float, n: int = 4) -> BlockRecord:
+    """A record of one float32 part of shape (1, n) filled with `value` (16 bytes at n=4)."""
+    return BlockRecord(
+        key=key, layout="L", tokens="T", parts={"k": np.full((1, n), value, np.float32)}
+    )
+
+
+def record_path(root, key: str) -> str:
+    """Where a `DiskStore` rooted at `root` keeps the record of `key`."""
+    return os.path.join(root, key[:2], key + ".kvb")
 
 
 # --------------------------------------------------------------------------------------------

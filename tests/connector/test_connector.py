@@ -35,6 +35,7 @@ from helpers import (
     random_mha_pool,
     raw_bits,
     raw_rows,
+    record_path,
     roundtrip,
     run_python,
     scattered_slots,
@@ -50,11 +51,6 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_
 # (page_size, block_size, start_layer): token pools, paged pools with block == page, and
 # blocks of two pages; stages that do not start at layer 0.
 CONFIGS = ((1, None, 0), (4, None, 3), (16, None, 0), (4, 8, 1))
-
-
-def _record_path(root, key: str) -> str:
-    """Where a DiskStore keeps the record of `key`."""
-    return os.path.join(root, key[:2], key + ".kvb")
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,7 +519,7 @@ def test_lookup_stops_at_the_first_gap(tmp_path):
     conn = KVConnector(pool, store)
     tokens, slots = rng.integers(0, 9999, 64), np.arange(1, 65)
     assert conn.store(pool, tokens, slots) == 4
-    os.unlink(_record_path(tmp_path, conn.block_hashes(tokens)[1]))
+    os.unlink(record_path(tmp_path, conn.block_hashes(tokens)[1]))
     assert conn.lookup(tokens) == 16
     dst = connector_pool("mha", size=64, page_size=1)
     before = raw_bits(dst)

@@ -1,9 +1,12 @@
-"""Disk faults, async failures and the counters: every failure is a counted miss or dropped
-write (or, with `strict=True`, an `OSError`), and what `lookup` reports is what `load` serves.
+"""`DiskStore`: persistence across instances and processes, atomic writes, eviction, and
+verification: no damaged, truncated or misplaced record file is ever loaded, only plain files
+are opened and no link inside the folder is followed.
 
-Faults are injected through `DiskStore`'s one file-operations object (`FileOps`): a full disk
-(ENOSPC), a read-only or forbidden folder (EROFS, EACCES), a file that vanishes (ENOENT) and a
-read error (EIO).
+Then faults, async failures and the counters: every failure is a counted miss or dropped write
+(or, with `strict=True`, an `OSError`), and what `lookup` reports is what `load` serves. Faults
+are injected through `DiskStore`'s one file-operations object (`FileOps`): a full disk (ENOSPC),
+a read-only or forbidden folder (EROFS, EACCES), a file that vanishes (ENOENT) and a read error
+(EIO).
 """
 
 from __future__ import annotations
@@ -11,20 +14,567 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
+import socket
+import stat
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import random_mha_pool, raw_rows
+from helpers import (
+    REPO,
+    STORE_BLOCK_SIZE,
+    assert_rows,
+    block_key,
+    random_mha_pool,
+    raw_rows,
+    record_path,
+    run_python,
+    small_record,
+    token_seq,
+)
 
+import jaxkv.connector.disk as disk_module
 from jaxkv import MHAPool
 from jaxkv.connector import BlockRecord, DiskStore, HostStore, KVConnector, TieredStore
 from jaxkv.connector.disk import FileOps
 
-BS = 16
+# The blocks of token_seq, and the connector's default block for the token pools here.
+BS = STORE_BLOCK_SIZE
 N_BLOCKS = 4
 TOKENS = np.arange(N_BLOCKS * BS) + 7
 SLOTS = np.arange(1, N_BLOCKS * BS + 1)
+
+
+def _files(root) -> list[str]:
+    return sorted(
+        os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
+# DiskStore: persistence, atomic writes, eviction
+
+
+def test_disk_store_capacity_must_be_positive_or_none(tmp_path):
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="capacity_bytes"):
+            DiskStore(tmp_path, capacity_bytes=bad)
+    DiskStore(tmp_path, capacity_bytes=None)
+
+
+def test_disk_store_persists_across_instances(tmp_path):
+    src = random_mha_pool(size=128, layer_num=2)
+    slots = np.arange(5, 69)
+    tokens = token_seq(3, blocks=4)
+    conn = KVConnector(src, DiskStore(tmp_path))
+    assert conn.store(src, np.concatenate([tokens, [1, 2, 3]]), np.arange(5, 72)) == 4
+    files = _files(tmp_path)
+    assert len(files) == 4 and all(f.endswith(".kvb") for f in files)
+
+    reopened = DiskStore(tmp_path)  # a restart: nothing but the folder
+    assert len(reopened) == 4
+    assert reopened.nbytes == sum(os.path.getsize(tmp_path / f) for f in files)
+    dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
+    conn2 = KVConnector(dst, reopened)
+    assert conn2.lookup(tokens) == 64
+    dst_slots = np.arange(65, 129)
+    dst, n = conn2.load(dst, tokens, dst_slots)
+    assert n == 64
+    assert_rows(dst, dst_slots, raw_rows(src, slots))
+    assert conn2.store(src, tokens, slots) == 0  # already on disk
+
+
+_WRITER = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from helpers import random_mha_pool, token_seq
+from jaxkv.connector import DiskStore, KVConnector
+src = random_mha_pool(seed=5, size=128, layer_num=2)
+conn = KVConnector(src, DiskStore(sys.argv[1]))
+print(conn.store(src, token_seq(9, blocks=3), np.arange(10, 58)))
+"""
+
+
+def test_disk_store_persists_across_processes(tmp_path):
+    early = DiskStore(tmp_path)  # open before the other process writes
+    proc = run_python("-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path), timeout=120)
+    assert proc.stdout.split() == ["3"]
+    src = random_mha_pool(seed=5, size=128, layer_num=2)
+    want = raw_rows(src, np.arange(10, 58))
+    tokens = token_seq(9, blocks=3)
+    for store in (early, DiskStore(tmp_path)):
+        dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
+        conn = KVConnector(dst, store)
+        assert conn.lookup(tokens) == 48
+        dst_slots = np.arange(70, 118)
+        dst, n = conn.load(dst, tokens, dst_slots)
+        assert n == 48
+        assert_rows(dst, dst_slots, want)
+
+
+def test_disk_store_writes_leave_no_temporary_files(tmp_path):
+    src = random_mha_pool()
+    conn = KVConnector(src, DiskStore(tmp_path))
+    for i in range(5):
+        conn.store(src, token_seq(i, blocks=2), np.arange(1, 33))
+    files = _files(tmp_path)
+    assert len(files) == 10
+    assert all(f.endswith(".kvb") and ".tmp" not in f for f in files)
+
+
+def test_disk_store_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    src = random_mha_pool()
+    store = DiskStore(tmp_path)
+    conn = KVConnector(src, store)
+
+    def failing_replace(self, src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(disk_module.FileOps, "replace", failing_replace)
+    assert conn.store(src, token_seq(0), np.arange(1, 17)) == 0
+    monkeypatch.undo()
+    assert _files(tmp_path) == []
+    assert store.stats()["io_errors"] == 1 and len(store) == 0
+    assert conn.lookup(token_seq(0)) == 0
+    assert conn.store(src, token_seq(0), np.arange(1, 17)) == 1  # works again once the disk does
+
+
+def test_disk_store_cleans_stale_temporary_files_on_open_and_keeps_live_writers(tmp_path):
+    src = random_mha_pool()
+    conn = KVConnector(src, DiskStore(tmp_path))
+    conn.store(src, token_seq(0), np.arange(1, 17))
+    key = conn.block_hashes(token_seq(0))[0]
+    final = record_path(tmp_path, key)
+    dead = run_python("-c", "import os; print(os.getpid())", timeout=60)
+    dead_pid = int(dead.stdout)
+    other = os.path.join(tmp_path, "ab", "f" * 64 + ".kvb")
+    stale = [
+        f"{final}.{disk_module._HOST}-{dead_pid}.deadbeef.tmp",  # its writer died before the rename
+        other + ".99.1.cafe0000.tmp",  # unknown owner, older than the stale age
+    ]
+    live = [
+        f"{final}.{disk_module._HOST}-{os.getppid()}.0123abcd.tmp",  # a live process is writing it
+        f"{other}.00000000-{dead_pid}.0123abcd.tmp",  # another machine's writer: too young
+    ]
+    os.makedirs(os.path.dirname(other), exist_ok=True)
+    for path in stale + live:
+        with open(path, "wb") as f:
+            f.write(b"half a record")
+    old = time.time() - disk_module.STALE_TMP_SECONDS - 60
+    os.utime(stale[1], (old, old))
+    store = DiskStore(tmp_path)
+    assert [os.path.exists(p) for p in stale + live] == [False, False, True, True]
+    assert os.path.exists(final) and len(store) == 1
+
+
+def test_disk_store_evicts_least_recently_used_past_capacity(tmp_path):
+    src = random_mha_pool()
+    slots = np.arange(1, 17)
+    probe = tmp_path / "probe"
+    KVConnector(src, DiskStore(probe)).store(src, token_seq(0), slots)
+    file_size = os.path.getsize(probe / _files(probe)[0])
+
+    root = tmp_path / "kv"
+    store = DiskStore(root, capacity_bytes=3 * file_size + file_size // 2)
+    conn = KVConnector(src, store)
+    a, b, c, d, e = (token_seq(i) for i in range(5))
+    for seq in (a, b, c):
+        assert conn.store(src, seq, slots) == 1
+    assert conn.lookup(a) == BS  # order b, c, a
+    assert conn.store(src, d, slots) == 1  # evicts b
+    dst = random_mha_pool(1)
+    dst, n = conn.load(dst, c, slots)  # order a, d, c
+    assert n == BS
+    assert conn.store(src, e, slots) == 1  # evicts a
+    held = {name: conn.lookup(seq) == BS for name, seq in dict(a=a, b=b, c=c, d=d, e=e).items()}
+    assert held == {"a": False, "b": False, "c": True, "d": True, "e": True}
+    assert len(_files(root)) == 3
+    st = store.stats()
+    assert st["evictions"] == 2 and st["blocks"] == 3 and st["bytes"] <= store.capacity_bytes
+
+
+def test_disk_store_stats_counters(tmp_path):
+    src = random_mha_pool()
+    store = DiskStore(tmp_path)
+    conn = KVConnector(src, store)
+    conn.store(src, token_seq(0, blocks=2), np.arange(1, 33))
+    dst = random_mha_pool(1)
+    dst, n = conn.load(dst, token_seq(0, blocks=3), np.arange(1, 49))
+    assert n == 32
+    st = store.stats()
+    want = {
+        "hits": 2,
+        "misses": 1,
+        "blocks_stored": 2,
+        "bytes_stored": 512,
+        "blocks_loaded": 2,
+        "bytes_loaded": 512,
+        "verification_failures": 0,
+        "evictions": 0,
+        "io_errors": 0,
+        "blocks": 2,
+        "bytes": sum(os.path.getsize(tmp_path / f) for f in _files(tmp_path)),
+    }
+    assert {k: st[k] for k in want} == want
+
+
+def test_disk_lookup_changes_no_files(tmp_path):
+    src = random_mha_pool()
+    store = DiskStore(tmp_path)
+    conn = KVConnector(src, store)
+    conn.store(src, token_seq(0, blocks=3), np.arange(1, 49))
+    snapshot = {f: (tmp_path / f).read_bytes() for f in _files(tmp_path)}
+    for _ in range(2):
+        assert conn.lookup(token_seq(0, blocks=3)) == 48
+        assert conn.lookup(token_seq(1, blocks=3)) == 0
+    assert {f: (tmp_path / f).read_bytes() for f in _files(tmp_path)} == snapshot
+    assert store.stats()["blocks_stored"] == 3
+
+
+# --------------------------------------------------------------------------------------------
+# DiskStore: corruption is never loaded
+
+
+@pytest.fixture
+def two_blocks(tmp_path):
+    """A DiskStore holding two blocks of one sequence; the second block's file bytes."""
+    src = random_mha_pool()
+    store = DiskStore(tmp_path)
+    conn = KVConnector(src, store)
+    tokens, slots = token_seq(1, blocks=2), np.arange(1, 33)
+    assert conn.store(src, tokens, slots) == 2
+    path = record_path(tmp_path, conn.block_hashes(tokens)[1])
+    with open(path, "rb") as f:
+        good = f.read()
+    return conn, store, tokens, raw_rows(src, slots), path, good
+
+
+def _load_after_tampering(conn, store, tokens, want, path, data, dst):
+    """Writes `data` as the second block's file and loads; asserts the load either returns the
+    original data or stops before that block (removing and counting the bad file)."""
+    with open(path, "wb") as f:
+        f.write(data)
+    failures = store.stats()["verification_failures"]
+    slots = np.arange(33, 65)
+    dst, n = conn.load(dst, tokens, slots)
+    if n == 2 * BS:
+        assert_rows(dst, slots, want)
+        return dst, False
+    assert n == BS, n
+    assert_rows(dst, slots[:BS], want[:, :BS])
+    assert not os.path.exists(path)
+    assert store.stats()["verification_failures"] == failures + 1
+    return dst, True
+
+
+def test_disk_store_every_single_byte_flip_is_caught(two_blocks):
+    conn, store, tokens, want, path, good = two_blocks
+    assert len(good) < 2000  # small enough to try every offset
+    dst = random_mha_pool(2)
+    caught = 0
+    for offset in range(len(good)):
+        for mask in (0xFF, 0x01, 0x80):
+            bad = bytearray(good)
+            bad[offset] ^= mask
+            dst, hit = _load_after_tampering(conn, store, tokens, want, path, bytes(bad), dst)
+            caught += hit
+    assert caught == 3 * len(good)  # a CRC catches every single-byte error
+    dst, hit = _load_after_tampering(conn, store, tokens, want, path, good, dst)
+    assert not hit  # the intact file still loads
+
+
+def test_disk_store_truncated_records_are_caught(two_blocks):
+    conn, store, tokens, want, path, good = two_blocks
+    dst = random_mha_pool(2)
+    for length in range(len(good)):
+        dst, hit = _load_after_tampering(conn, store, tokens, want, path, good[:length], dst)
+        assert hit
+    extended = good + b"\0"
+    dst, hit = _load_after_tampering(conn, store, tokens, want, path, extended, dst)
+    assert hit
+
+
+def test_disk_store_rejects_a_record_under_another_blocks_name(two_blocks, tmp_path):
+    conn, store, tokens, want, path, good = two_blocks
+    first = record_path(tmp_path, conn.block_hashes(tokens)[0])
+    with open(first, "rb") as f:
+        first_bytes = f.read()
+    dst = random_mha_pool(2)
+    _, hit = _load_after_tampering(conn, store, tokens, want, path, first_bytes, dst)
+    assert hit
+    # Also a whole record of an unrelated sequence, copied over block 0's name.
+    other = token_seq(7)
+    src = random_mha_pool()
+    conn.store(src, other, np.arange(1, 17))
+    shutil.copyfile(record_path(tmp_path, conn.block_hashes(other)[0]), first)
+    before = store.stats()["verification_failures"]
+    dst = random_mha_pool(3)
+    raw = raw_rows(dst, np.arange(33, 65))
+    dst, n = conn.load(dst, tokens, np.arange(33, 65))
+    assert n == 0
+    assert_rows(dst, np.arange(33, 65), raw)
+    assert not os.path.exists(first)
+    assert store.stats()["verification_failures"] == before + 1
+
+
+def test_disk_store_ignores_foreign_files(tmp_path):
+    (tmp_path / "README").write_text("not a block")
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "notes.txt").write_text("nor this")
+    store = DiskStore(tmp_path)
+    assert len(store) == 0
+    assert (tmp_path / "README").exists() and (tmp_path / "ab" / "notes.txt").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# DiskStore: only plain files are opened, no link inside the folder is followed
+
+# Generous: these calls take milliseconds; the bound only turns a hang into a failure.
+_HANG_S = 30.0
+
+
+def _returns(call, *args, unblock=None):
+    """`call(*args)`'s result, run in a thread; fails the test when the call has not returned
+    within `_HANG_S` (it hangs), after `unblock()` has released the thread."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call(*args)), daemon=True)
+    thread.start()
+    thread.join(_HANG_S)
+    if thread.is_alive():
+        if unblock is not None:
+            unblock()
+        pytest.fail(f"{getattr(call, '__name__', call)} did not return: it blocks")
+    assert out, "the call raised (see the thread's traceback above)"
+    return out[0]
+
+
+def _release_fifo_reader(path):
+    """Opens the FIFO `path` for writing (and closes it), which returns a reader blocked
+    opening it."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def _disk_record(i: int) -> BlockRecord:
+    return small_record(block_key(i), float(i))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_disk_store_never_blocks_on_a_fifo_under_a_block_name(tmp_path):
+    store = DiskStore(tmp_path)
+    fifos = {}
+    for i in (1, 2, 3):
+        fifos[i] = record_path(tmp_path, block_key(i))
+        os.makedirs(os.path.dirname(fifos[i]), exist_ok=True)
+        os.mkfifo(fifos[i])
+    assert (
+        _returns(store.contains, block_key(1), unblock=lambda: _release_fifo_reader(fifos[1]))
+        is False
+    )
+    assert _returns(store.get, block_key(2), unblock=lambda: _release_fifo_reader(fifos[2])) is None
+    # A put over it: the name is found damaged, and the record written in its place.
+    assert _returns(store.put, _disk_record(3), unblock=lambda: _release_fifo_reader(fifos[3]))
+    assert not os.path.exists(fifos[1]) and not os.path.exists(fifos[2])
+    assert os.path.isfile(fifos[3]) and store.get(block_key(3)).key == block_key(3)
+    st = store.stats()
+    assert st["verification_failures"] == 3 and st["io_errors"] == 0
+    assert (st["hits"], st["misses"]) == (1, 1)
+
+
+def test_disk_store_never_follows_a_link_to_a_record_elsewhere(tmp_path):
+    other = DiskStore(tmp_path / "other")  # another tenant's folder
+    assert other.put(_disk_record(1)) and other.put(_disk_record(2))
+    store = DiskStore(tmp_path / "mine")
+    for i in (1, 2):
+        link = record_path(tmp_path / "mine", block_key(i))
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(record_path(tmp_path / "other", block_key(i)), link)
+    assert store.contains(block_key(1)) is False
+    assert store.get(block_key(2)) is None
+    for i in (1, 2):  # the links are gone, their targets are not
+        assert not os.path.lexists(record_path(tmp_path / "mine", block_key(i)))
+        assert other.get(block_key(i)).key == block_key(i)
+    assert store.stats()["verification_failures"] == 2 and store.stats()["hits"] == 0
+
+
+def test_disk_store_never_follows_a_linked_subfolder(tmp_path):
+    other = DiskStore(tmp_path / "other")
+    records = [_disk_record(i) for i in (0x10, 0x11)]  # keys in subfolder "00"
+    assert other.put_many(records) == [True, True]
+    sub = os.path.dirname(record_path(tmp_path / "mine", records[0].key))
+    os.makedirs(os.path.dirname(sub))
+    os.symlink(os.path.dirname(record_path(tmp_path / "other", records[0].key)), sub)
+    size = os.path.getsize(record_path(tmp_path / "other", records[0].key))
+    # The rescan indexes nothing through the link (nor would eviction remove anything there).
+    store = DiskStore(tmp_path / "mine", capacity_bytes=size + size // 2)
+    assert len(store) == 0 and not os.path.lexists(sub)
+    assert store.stats()["verification_failures"] == 1
+    os.symlink(os.path.dirname(record_path(tmp_path / "other", records[0].key)), sub)
+    assert store.get(records[0].key) is None and not os.path.lexists(sub)
+    os.symlink(os.path.dirname(record_path(tmp_path / "other", records[0].key)), sub)
+    assert store.contains(records[1].key) is False and not os.path.lexists(sub)
+    # A write makes a real subfolder; eviction (room for one file) stays in this folder.
+    assert store.put(_disk_record(0x12)) and os.path.isdir(sub) and not os.path.islink(sub)
+    assert store.put(_disk_record(0x13)) and store.stats()["evictions"] == 1
+    assert store.stats()["verification_failures"] == 3
+    assert [other.get(r.key).key for r in records] == [r.key for r in records]
+
+
+def test_disk_store_removes_sockets_devices_and_links_under_block_names(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+    made = []
+    sock_path = record_path(tmp_path, block_key(1))
+    os.makedirs(os.path.dirname(sock_path), exist_ok=True)
+    if hasattr(socket, "AF_UNIX"):
+        monkeypatch.chdir(os.path.dirname(sock_path))  # a socket's name must be short
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(os.path.basename(sock_path))  # opening it fails (ENXIO): a damaged name
+        sock.close()
+        made.append(block_key(1))
+    if os.path.exists(os.devnull) and hasattr(os, "symlink"):
+        os.symlink(os.devnull, record_path(tmp_path, block_key(2)))
+        made.append(block_key(2))
+    try:
+        os.mknod(record_path(tmp_path, block_key(3)), 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        made.append(block_key(3))
+    except (AttributeError, OSError):
+        pass  # making device nodes needs privileges
+    if not made:
+        pytest.skip("cannot make sockets, links or devices here")
+    assert [_returns(store.contains, k) for k in made] == [False] * len(made)
+    assert not any(os.path.lexists(record_path(tmp_path, k)) for k in made)
+    st = store.stats()
+    assert st["verification_failures"] == len(made) and st["io_errors"] == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_disk_store_rescan_skips_and_removes_what_is_not_a_plain_file(tmp_path):
+    good = DiskStore(tmp_path)
+    assert good.put(_disk_record(1))
+    elsewhere = DiskStore(tmp_path / "elsewhere")
+    assert elsewhere.put(_disk_record(2))
+    fifo, link = record_path(tmp_path, block_key(3)), record_path(tmp_path, block_key(2))
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    os.mkfifo(fifo)
+    os.symlink(record_path(tmp_path / "elsewhere", block_key(2)), link)
+    store = _returns(DiskStore, tmp_path, unblock=lambda: _release_fifo_reader(fifo))
+    assert len(store) == 1 and store.contains(block_key(1))
+    assert not os.path.lexists(fifo) and not os.path.lexists(link)
+    assert store.stats()["verification_failures"] == 2
+    assert elsewhere.get(block_key(2)) is not None
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's read counter")
+def test_disk_store_never_reads_a_file_longer_than_its_record_whole(tmp_path):
+    store = DiskStore(tmp_path)
+    assert store.put(_disk_record(1))
+    path = record_path(tmp_path, block_key(1))
+    extra = 64 << 20
+    with open(path, "r+b") as f:  # a sparse tail: costs no disk, would cost a read
+        f.truncate(os.path.getsize(path) + extra)
+    before = _bytes_read()
+    assert store.get(block_key(1)) is None
+    assert _bytes_read() - before < extra // 4
+    assert not os.path.exists(path) and store.stats()["verification_failures"] == 1
+
+
+def test_disk_store_keys_and_names_match_whole(tmp_path):
+    store = DiskStore(tmp_path)
+    for call in (store.contains, store.get, store.discard):
+        with pytest.raises(ValueError, match="key"):
+            call(block_key(1) + "\n")
+
+
+def test_disk_store_removes_a_temporary_file_whose_pid_cannot_be(tmp_path):
+    name = f"{block_key(1)}.kvb.{disk_module._HOST}-{'9' * 30}.0123abcd.tmp"
+    tmp = os.path.join(tmp_path, block_key(1)[:2], name)
+    os.makedirs(os.path.dirname(tmp))
+    with open(tmp, "wb") as f:
+        f.write(b"half a record")
+    store = DiskStore(tmp_path)
+    assert not os.path.exists(tmp) and len(store) == 0
+
+
+def test_disk_store_serves_what_contains_promised_or_removes_it(tmp_path):
+    """`contains` checks a file's header and size, not its checksum: a payload bit flip is
+    still promised until a read, which then removes it, so that the next put repairs it."""
+    store = DiskStore(tmp_path)
+    record = _disk_record(5)
+    assert store.put(record)
+    path = record_path(tmp_path, record.key)
+    raw = bytearray(Path(path).read_bytes())
+    raw[-8] ^= 0x04  # in the payload
+    Path(path).write_bytes(bytes(raw))
+    assert store.contains(record.key) is True
+    assert store.get(record.key) is None and not os.path.exists(path)
+    assert store.contains(record.key) is False
+    assert store.put(record) is True
+    got = store.get(record.key)
+    np.testing.assert_array_equal(got.parts["k"], record.parts["k"])
+    assert store.stats()["verification_failures"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+def test_store_flags_take_numpy_bools(tmp_path):
+    store = DiskStore(tmp_path, strict=np.True_, fsync=np.bool_(True))
+    assert store.strict is True and store.fsync is True
+    store.strict = np.False_
+    assert store.strict is False
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"/tmp/x", ["a"]])
+def test_disk_store_path_must_be_a_str_or_pathlike(bad):
+    with pytest.raises(TypeError, match="path"):
+        DiskStore(bad)
+
+
+def test_disk_store_path_must_not_be_empty():
+    with pytest.raises(ValueError, match="path"):
+        DiskStore("")
+
+
+def test_disk_store_path_cannot_be_reassigned(tmp_path):
+    store = DiskStore(tmp_path / "a")
+    with pytest.raises(AttributeError):
+        store.path = str(tmp_path / "b")
+    assert store.path == str(tmp_path / "a")
+
+
+# --------------------------------------------------------------------------------------------
+# discard
+
+
+def test_disk_store_discard_removes_the_file(tmp_path):
+    store = DiskStore(tmp_path)
+    assert store.put(_disk_record(1)) and store.put(_disk_record(2))
+    assert store.discard(block_key(1)) is True
+    assert not os.path.exists(record_path(tmp_path, block_key(1)))
+    assert not store.contains(block_key(1)) and store.get(block_key(1)) is None and len(store) == 1
+    assert store.discard(block_key(1)) is False  # gone already: no error
+    assert store.discard(block_key(3)) is False
+    st = store.stats()
+    assert (st["discarded"], st["io_errors"], st["undiscarded"]) == (1, 0, 0)
+    assert store.put(_disk_record(1)) is True and store.contains(block_key(1))
+
+
+# --------------------------------------------------------------------------------------------
+# Faults injected through FileOps
 
 
 class FaultyOps(FileOps):
@@ -209,7 +759,7 @@ def test_a_damaged_file_is_dropped_and_rewritten(tmp_path, damage):
     conn = KVConnector(_pool(), store)
     conn.store(_pool(), TOKENS, SLOTS)
     key = conn.block_hashes(TOKENS)[1]
-    path = tmp_path / "blocks" / key[:2] / f"{key}.kvb"
+    path = Path(record_path(tmp_path / "blocks", key))
     raw = bytearray(path.read_bytes())
     if damage == "truncate":  # a torn write: lookup sees it without reading the payload
         path.write_bytes(bytes(raw[: len(raw) // 2]))
@@ -345,7 +895,7 @@ def _records(n: int) -> list[BlockRecord]:
 
 
 def _damage_payload(store, key) -> None:
-    path = os.path.join(store.path, key[:2], key + ".kvb")
+    path = record_path(store.path, key)
     with open(path, "r+b") as f:
         f.seek(-8, os.SEEK_END)
         byte = f.read(1)
