@@ -143,6 +143,10 @@ class FakeRedis:
             except OSError:
                 return
             conn.settimeout(_POLL_S)
+            # As Redis does: replies go out at once. With Nagle's algorithm the second reply of
+            # a pipeline waits for the client's delayed ACK of the first (tens of milliseconds
+            # per pipelined call, on loopback too).
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._spawn(self._serve, conn)
 
     # ---- one connection --------------------------------------------------------------------
