@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -414,6 +415,18 @@ def run_python(*args: str, timeout: float, env: dict | None = None, check: bool 
             f"stderr:\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+def run_example(name: str) -> int | str | None:
+    """Runs `examples/<name>` in this process as `python examples/<name>` runs it (as the
+    `__main__` module) and returns its exit status; what it prints goes to this process's
+    stdout (pytest's `capsys` reads it). Cheaper than `run_python`: no fresh interpreter
+    importing jax, and the programs it compiles are this process's."""
+    try:
+        runpy.run_path(str(REPO / "examples" / name), run_name="__main__")
+    except SystemExit as done:
+        return done.code
+    return 0
 
 
 # --------------------------------------------------------------------------------------------

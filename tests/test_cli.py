@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import REPO as ROOT
-from helpers import SMALL_DECODER, run_python
+from helpers import SMALL_DECODER, run_example
 from redis_server import MISSING, LocalRedis
 
 from jaxkv import bench, demo
@@ -43,10 +43,11 @@ def test_demo_rejects_bad_counts(capsys):
     assert "--requests and --new-tokens must be at least 1" in capsys.readouterr().err
 
 
-def test_pool_walkthrough_example_verifies_every_pool():
-    proc = run_python(str(ROOT / "examples" / "pool_walkthrough.py"), timeout=300)
+def test_pool_walkthrough_example_verifies_every_pool(capsys):
+    assert run_example("pool_walkthrough.py") == 0
+    out = capsys.readouterr().out
     for name in ("MHA", "MLA", "K-only"):
-        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(name))
+        line = next(ln for ln in out.splitlines() if ln.startswith(name))
         assert line.endswith("bit-exact, in place"), line
 
 

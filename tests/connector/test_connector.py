@@ -24,7 +24,6 @@ from helpers import (
     HOSTILE_ARG,
     INDEX_ATTR,
     INDEX_HEAD_DIM,
-    REPO,
     assert_raw_equal,
     buffer_attrs,
     connector_pool,
@@ -37,7 +36,7 @@ from helpers import (
     raw_rows,
     record_path,
     roundtrip,
-    run_python,
+    run_example,
     scattered_slots,
     token_rows,
 )
@@ -945,9 +944,9 @@ def test_min_block_count():
 # The example program
 
 
-def test_example_offload_reload_runs():
-    proc = run_python(str(REPO / "examples" / "offload_reload.py"), timeout=120)
-    assert "bit-exact" in proc.stdout
+def test_example_offload_reload_runs(capsys):
+    assert run_example("offload_reload.py") == 0
+    assert "bit-exact: True" in capsys.readouterr().out
 
 
 def test_connector_stats_count_block_hits_misses_and_the_stores_failures(tmp_path):
