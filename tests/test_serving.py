@@ -189,7 +189,27 @@ def test_prefix_cache_must_be_a_bool():
         Engine(model, params, prefix_cache="yes", **ENGINE)
 
 
-@pytest.mark.slow  # a second interpreter; the whole demo twice
+def test_prefix_reuse_from_a_disk_store_left_by_an_earlier_engine(tmp_path):
+    # In one process (the test below runs the first engine in another): an engine serves one
+    # request and is closed; only its DiskStore's folder stays behind.
+    model, params = small_model()
+    requests = shared_prefix_requests()
+    first = Engine(model, params, store=DiskStore(tmp_path), **ENGINE)
+    first.generate([Request(requests[0].prompt, 2)])
+    first.close()
+    assert first.connector.stats()["blocks_stored"] == 4  # 75 prompt tokens: 4 full blocks
+    plain = Engine(model, params, **PLAIN).generate(requests)
+    engine = Engine(model, params, store=DiskStore(tmp_path), **ENGINE)
+    reused = engine.generate(requests)
+    engine.close()
+    # The second engine never computed the prefix: even the first request loads it from
+    # disk, and the others find those blocks on the device.
+    assert [r.reused_tokens for r in reused] == [64, 0, 0, 0]
+    assert [r.device_tokens for r in reused] == [0, 64, 64, 64]
+    assert_same_outputs(plain, reused)
+
+
+@pytest.mark.slow  # a second interpreter
 def test_prefix_reuse_from_a_disk_store_left_by_an_earlier_process(tmp_path):
     # An earlier process serves one request and exits; its DiskStore stays behind.
     child = textwrap.dedent(

@@ -70,6 +70,7 @@ def test_disk_store_persists_across_instances(tmp_path):
     src = random_mha_pool(size=128, layer_num=2)
     slots = np.arange(5, 69)
     tokens = token_seq(3, blocks=4)
+    early = DiskStore(tmp_path)  # open before another instance writes (another process's)
     conn = KVConnector(src, DiskStore(tmp_path))
     assert conn.store(src, np.concatenate([tokens, [1, 2, 3]]), np.arange(5, 72)) == 4
     files = _files(tmp_path)
@@ -78,14 +79,15 @@ def test_disk_store_persists_across_instances(tmp_path):
     reopened = DiskStore(tmp_path)  # a restart: nothing but the folder
     assert len(reopened) == 4
     assert reopened.nbytes == sum(os.path.getsize(tmp_path / f) for f in files)
-    dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
-    conn2 = KVConnector(dst, reopened)
-    assert conn2.lookup(tokens) == 64
-    dst_slots = np.arange(65, 129)
-    dst, n = conn2.load(dst, tokens, dst_slots)
-    assert n == 64
-    assert_rows(dst, dst_slots, raw_rows(src, slots))
-    assert conn2.store(src, tokens, slots) == 0  # already on disk
+    for store in (early, reopened):
+        dst = MHAPool.create(size=128, dtype=np.float32, head_num=1, head_dim=2, layer_num=2)
+        conn2 = KVConnector(dst, store)
+        assert conn2.lookup(tokens) == 64
+        dst_slots = np.arange(65, 129)
+        dst, n = conn2.load(dst, tokens, dst_slots)
+        assert n == 64
+        assert_rows(dst, dst_slots, raw_rows(src, slots))
+        assert conn2.store(src, tokens, slots) == 0  # already on disk
 
 
 _WRITER = """
@@ -100,6 +102,7 @@ print(conn.store(src, token_seq(9, blocks=3), np.arange(10, 58)))
 """
 
 
+@pytest.mark.slow  # a second interpreter; in one process: test_disk_store_persists_across_instances
 def test_disk_store_persists_across_processes(tmp_path):
     early = DiskStore(tmp_path)  # open before the other process writes
     proc = run_python("-c", _WRITER.format(tests=str(REPO / "tests")), str(tmp_path), timeout=120)
