@@ -27,6 +27,8 @@ from jaxkv.models import (
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = jnp.dtype(jnp.bfloat16)
 ENGINE = dict(pool_size=1024, page_size=16, max_batch=4, max_context=128)
+# Host stores here hold 1 MiB (256 of the GQA decoder's 4 KiB blocks), more than any test stores:
+# a HostStore maps and touches its arena, up to its capacity, when it is made.
 # The uncached reference: every prompt prefilled in full.
 PLAIN = {**ENGINE, "prefix_cache": False}
 
@@ -79,7 +81,7 @@ def test_prefix_reuse_from_host_store_equals_no_reuse(attention):
     requests = shared_prefix_requests()
     plain = Engine(model, params, **PLAIN).generate(requests)
     assert sources(plain) == [(0, 0, len(r.prompt)) for r in requests]
-    engine = Engine(model, params, store=HostStore(1 << 26), **PLAIN)
+    engine = Engine(model, params, store=HostStore(1 << 20), **PLAIN)
     reused = engine.generate(requests)
     assert_same_outputs(plain, reused)
     # The first request computed the prefix and offloaded it; the others loaded its 4 full
@@ -98,7 +100,7 @@ def test_prefix_reuse_from_the_device_equals_no_reuse(attention):
     model, params = small_model(attention)
     requests = shared_prefix_requests()
     plain = Engine(model, params, **PLAIN).generate(requests)
-    engine = Engine(model, params, store=HostStore(1 << 26), **ENGINE)
+    engine = Engine(model, params, store=HostStore(1 << 20), **ENGINE)
     got = engine.generate(requests)
     assert_same_outputs(plain, got)
     # The first request's prompt pages joined the prefix cache after its prefill: the others,
@@ -161,7 +163,7 @@ def test_a_short_pool_evicts_from_the_tree_and_writes_back_to_the_store():
     model, params = small_model()
     rng = np.random.default_rng(12)
     kw = {**ENGINE, "pool_size": 128}
-    engine = Engine(model, params, store=HostStore(1 << 26), **kw)
+    engine = Engine(model, params, store=HostStore(1 << 20), **kw)
     # 20 prompt tokens and 30 generated: 48 tokens with K/V in 3 full pages, of which only
     # the prompt's first block was offloaded after the prefill.
     a = Request(rng.integers(0, 256, 20).astype(np.int32), 30)
@@ -276,7 +278,7 @@ def test_decode_does_not_retrace_as_requests_come_and_go():
 def test_serving_steps_keep_the_pool_in_place(prefix_cache):
     model, params = small_model("mla")
     engine = Engine(
-        model, params, store=HostStore(1 << 26), **{**ENGINE, "prefix_cache": prefix_cache}
+        model, params, store=HostStore(1 << 20), **{**ENGINE, "prefix_cache": prefix_cache}
     )
     before = pointers(engine.pool)
     requests = shared_prefix_requests(seed=4)
@@ -378,7 +380,7 @@ def test_fp8_pool_serves_with_reuse():
     requests = shared_prefix_requests(seed=11)
     kw = {**PLAIN, "dtype": jnp.float8_e4m3fn}
     plain = Engine(model, params, **kw).generate(requests)
-    reused = Engine(model, params, store=HostStore(1 << 26), **kw).generate(requests)
+    reused = Engine(model, params, store=HostStore(1 << 20), **kw).generate(requests)
     assert [r.reused_tokens for r in reused] == [0, 64, 64, 64]
     on_device = Engine(model, params, **{**kw, "prefix_cache": True}).generate(requests)
     assert [r.device_tokens for r in on_device] == [0, 64, 64, 64]
@@ -426,7 +428,7 @@ def test_params_fingerprint_covers_every_leafs_path_dtype_shape_and_bytes():
 
 def test_engines_with_other_weights_never_reuse_each_others_kv():
     model, params = small_model()
-    store = HostStore(1 << 26)
+    store = HostStore(1 << 20)
     [request] = shared_prefix_requests(seed=5)[:1]
     a = Engine(model, params, store=store, **ENGINE)
     a.generate([request])
@@ -489,7 +491,7 @@ def served():
     """One engine whose store holds every prompt of `SCENARIO` and whose prefix cache holds
     what a run of it leaves, and what a fresh engine over that store returns for it."""
     model, params = small_model()
-    store = HostStore(1 << 26)
+    store = HostStore(1 << 20)
     engine = Engine(model, params, store=store, **SCENARIO_ENGINE)
     for _ in range(2):  # the first computes and stores; the second leaves a run's state
         engine.generate(SCENARIO)
@@ -643,7 +645,7 @@ def test_a_strict_store_that_cannot_read_fails_the_call_and_nothing_else():
             raise OSError("disk gone")
 
     model, params = small_model()
-    store = Unreadable(1 << 26)
+    store = Unreadable(1 << 20)
     engine = Engine(model, params, store=store, **ENGINE)
     engine.generate(SCENARIO[:1])  # computes and stores the prompt's blocks
     tree = engine.tree_cache

@@ -50,6 +50,8 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_
 # (page_size, block_size, start_layer): token pools, paged pools with block == page, and
 # blocks of two pages; stages that do not start at layer 0.
 CONFIGS = ((1, None, 0), (4, None, 3), (16, None, 0), (4, 8, 1))
+# Host stores here hold 1 MiB, more than ten times what any test stores: a HostStore maps and
+# touches its arena, up to its capacity, when it is made.
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ def test_roundtrip_jaxkv_pools_token_and_paged(kind, page_size, block_size, star
         return connector_pool(kind, size=size, page_size=page_size, start_layer=start_layer)
 
     src, dst = fill_random_bits(make(), rng), fill_random_bits(make(), rng)
-    conn = KVConnector(src, HostStore(1 << 24), block_size=block_size)
+    conn = KVConnector(src, HostStore(1 << 20), block_size=block_size)
     assert conn.block_size == bs
     dst = roundtrip(
         src,
@@ -143,7 +145,7 @@ def test_roundtrip_between_contiguous_and_scattered_slots(kind, page_size, block
         return connector_pool(kind, size=64, page_size=page_size)
 
     src, dst = fill_random_bits(make(), rng), fill_random_bits(make(), rng)
-    conn = KVConnector(src, HostStore(1 << 24), block_size=block_size)
+    conn = KVConnector(src, HostStore(1 << 20), block_size=block_size)
     tokens = rng.integers(0, 50_000, 32)
     runs = np.arange(17, 49)
     if page_size == 1:
@@ -156,7 +158,7 @@ def test_roundtrip_between_contiguous_and_scattered_slots(kind, page_size, block
         dst, n = conn.load(dst, tokens, dst_slots)
         assert n == 32
         assert_raw_equal(raw_bits(dst), model_load(before, src_raw, runs, dst_slots, page_size))
-    conn2 = KVConnector(src, HostStore(1 << 24), block_size=block_size)
+    conn2 = KVConnector(src, HostStore(1 << 20), block_size=block_size)
     assert conn2.store(src, tokens, scattered) == 32 // block_size
     before = raw_bits(dst)
     dst, n = conn2.load(dst, tokens, runs)
@@ -172,7 +174,7 @@ def test_roundtrip_jaxkv_pools_every_dtype(kind, dtype):
         return connector_pool(kind, size=64, page_size=4, dtype=dtype, start_layer=2)
 
     src, dst = fill_random_bits(make(), rng), fill_random_bits(make(), rng)
-    conn = KVConnector(src, HostStore(1 << 24), block_size=8)
+    conn = KVConnector(src, HostStore(1 << 20), block_size=8)
     roundtrip(src, dst, conn, rng=rng, size=64, page_size=4, n_tokens=21)
 
 
@@ -190,7 +192,7 @@ def test_roundtrip_sglang_shaped_objects(kind, dtype, backend):
 
     src = _foreign(kind, make(), dtype, page_size, backend)
     dst = _foreign(kind, make(), dtype, page_size, backend)
-    conn = KVConnector(src, HostStore(1 << 24))
+    conn = KVConnector(src, HostStore(1 << 20))
     assert conn.block_size == page_size
     out = roundtrip(src, dst, conn, rng=rng, size=64, page_size=page_size, n_tokens=14)
     assert out is dst
@@ -214,7 +216,7 @@ def test_roundtrip_sglang_shaped_token_pool_defaults_to_16(kind):
         for _ in range(2)
     )
     del src.page_size, dst.page_size
-    conn = KVConnector(src, HostStore(1 << 24))
+    conn = KVConnector(src, HostStore(1 << 20))
     assert conn.block_size == 16
     roundtrip(src, dst, conn, rng=rng, size=64, page_size=1, n_tokens=40)
 
@@ -486,7 +488,7 @@ def mha():
     """A filled token pool, a HostStore connector on it, 4 blocks of token ids and slots."""
     rng = np.random.default_rng(7)
     pool = fill_random_bits(connector_pool("mha", size=128, page_size=1), rng)
-    store = HostStore(1 << 24)
+    store = HostStore(1 << 20)
     conn = KVConnector(pool, store)
     tokens = rng.integers(0, 30_000, 64)
     slots = rng.permutation(np.arange(1, 129))[:64]
@@ -646,7 +648,7 @@ def test_load_rejects_records_of_other_blocks():
     still never gets its data loaded: the connector checks each record's tokens."""
     rng = np.random.default_rng(11)
     pool = fill_random_bits(connector_pool("mha", size=64, page_size=1), rng)
-    store = HostStore(1 << 24)
+    store = HostStore(1 << 20)
     conn = KVConnector(pool, store)
     a, b = rng.integers(0, 999, 32), rng.integers(1000, 1999, 32)
     conn.store(pool, a, np.arange(1, 33))

@@ -23,7 +23,7 @@ BS = STORE_BLOCK_SIZE  # the blocks of token_seq
 
 @pytest.fixture(params=("host", "disk"))
 def any_store(request, tmp_path):
-    return HostStore(1 << 24) if request.param == "host" else DiskStore(tmp_path / "kv")
+    return HostStore(1 << 20) if request.param == "host" else DiskStore(tmp_path / "kv")
 
 
 def test_concurrent_store_and_load_through_one_connector(any_store):

@@ -358,7 +358,7 @@ def test_connector_round_trip_into_a_host_store_is_bit_exact(dtype):
     for layer in range(2):
         src = src.set_kv(layer, slots, _latent(rng, 64, 512, 64), None)
         src = src.set_index_k(layer, slots, rng.standard_normal((64, 8)))
-    conn = KVConnector(src, HostStore(1 << 24))
+    conn = KVConnector(src, HostStore(1 << 20))
     exported = conn.export_blocks(src, slots)
     chex.assert_shape(exported["kv"], (1, 2, 64, 1, 656))
     assert exported["kv"].dtype == np.uint8
