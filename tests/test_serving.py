@@ -375,6 +375,10 @@ def test_progress_bar_only_on_a_terminal():
     assert "50%" in tty.getvalue() and "serving" in tty.getvalue()
 
 
+# The whole serving loop three times on an fp8 pool of its own shapes. Every run covers fp8
+# serving with reuse otherwise: test_cli's demo (an fp8 MLA pool, reuse from disk and device
+# against no reuse and the uncached reference) and test_models' fp8 GQA and MLA generations.
+@pytest.mark.slow
 def test_fp8_pool_serves_with_reuse():
     model, params = small_model("gqa")
     requests = shared_prefix_requests(seed=11)

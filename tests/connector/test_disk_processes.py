@@ -48,6 +48,10 @@ def _kvb_bytes(folder) -> int:
     return total
 
 
+# Fresh interpreters killed at random moments. In one process: a write that fails before its
+# rename leaves nothing (test_disk.py's failed-write test), and the temporary files of a dead
+# writer are removed (its stale-temporary-files test).
+@pytest.mark.slow
 def test_a_writer_killed_at_random_moments_leaves_whole_records_or_none(tmp_path):
     folder, count, nbytes, kills = tmp_path / "blocks", 256, 64 << 10, 24
     rng = np.random.default_rng(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import inspect
@@ -102,9 +103,12 @@ def test_connector_exports():
         assert hasattr(connector, name), name
 
 
+# Test, bench and optional-extra packages: `import jaxkv` must not need them.
+OPTIONAL = {"hypothesis", "pytest", "matplotlib", "redis", "torch", "pandas", "tensorflow"}
+
 _IMPORT_WITH_CORE_DEPS_ONLY = """
 import importlib.abc, sys
-OPTIONAL = {"hypothesis", "pytest", "matplotlib", "redis", "torch", "pandas", "tensorflow"}
+OPTIONAL = set(sys.argv[1].split(","))
 
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -120,11 +124,69 @@ print(type(jaxkv.__version__).__name__, type(pool).__name__, jaxkv.connector.KVC
 """
 
 
+@pytest.mark.slow  # a fresh interpreter; read from the source: test_no_module_loaded_by_import_...
 def test_import_needs_only_core_dependencies():
     """`import jaxkv` (and `jaxkv.connector`) work with test, bench and optional-extra packages
     unavailable."""
-    out = run_python("-c", _IMPORT_WITH_CORE_DEPS_ONLY, timeout=120)
+    out = run_python("-c", _IMPORT_WITH_CORE_DEPS_ONLY, ",".join(sorted(OPTIONAL)), timeout=120)
     assert out.stdout.split() == ["str", "MHAPool", "KVConnector"]
+
+
+def _load_time_imports(body, guarded=False):
+    """(module, level, names, guarded) of each import in `body` that runs when the module is
+    loaded: not those in functions or under `if TYPE_CHECKING:`; `guarded` when a `try` around
+    it catches ImportError (or anything wider)."""
+    for node in body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, 0, (), guarded
+        elif isinstance(node, ast.ImportFrom):
+            yield node.module or "", node.level, tuple(a.name for a in node.names), guarded
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _load_time_imports(node.orelse, guarded)
+        elif isinstance(node, ast.Try):
+            caught = {ast.unparse(h.type) if h.type else "" for h in node.handlers}
+            catches = bool(caught & {"", "ImportError", "ModuleNotFoundError", "Exception"})
+            yield from _load_time_imports(node.body, guarded or catches)
+            for part in (node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                yield from _load_time_imports(part, guarded)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for field in ("body", "orelse", "finalbody"):  # classes, ifs, withs, loops
+                yield from _load_time_imports(getattr(node, field, []), guarded)
+
+
+def _module_file(name: str):
+    path = REPO.joinpath(*name.split("."))
+    for candidate in (path / "__init__.py", path.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def test_no_module_loaded_by_import_jaxkv_needs_an_optional_package():
+    """The source form of the test above, cheap enough for every run: follows the imports that
+    `import jaxkv` and `import jaxkv.connector` execute, through jaxkv's own modules, and finds
+    no unguarded import of a test, bench or optional-extra package among them."""
+    loaded, todo, offending = set(), ["jaxkv", "jaxkv.connector"], []
+    while todo:
+        name = todo.pop()
+        if name in loaded or _module_file(name) is None:
+            continue
+        loaded.add(name)
+        todo.extend(".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1))
+        path = _module_file(name)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for module, level, names, guarded in _load_time_imports(ast.parse(path.read_text()).body):
+            if level:
+                base = package.rsplit(".", level - 1)[0] if level > 1 else package
+                module = f"{base}.{module}" if module else base
+            if module.split(".")[0] == "jaxkv":
+                todo.append(module)
+                todo.extend(f"{module}.{n}" for n in names)  # `from pkg import submodule`
+            elif module.split(".")[0] in OPTIONAL and not guarded:
+                offending.append(f"{name}: import {module}")
+    assert {"jaxkv.pools", "jaxkv.connector.remote", "jaxkv.connector.disk"} <= loaded
+    assert offending == []
 
 
 # ---- create(): keyword-only, validation, defaults -----------------------------------------------
