@@ -41,56 +41,51 @@ sglang-jax is imported only when a tree is built or the hook installed: jaxkv im
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import functools
 import inspect
-import math
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
-from jaxkv.connector import BlockStore, DiskStore, HostStore, KVConnector, RedisStore, TieredStore
+from jaxkv.connector import BlockStore, KVConnector
 from jaxkv.connector.stores import FailureLog
+from jaxkv.integrations.sglang_jax._store_settings import (
+    ENV_HOST_POOL,
+    ENV_NAMESPACE,
+    ENV_PREFETCH_MB,
+    ENV_STORE,
+    ENV_WAIT_MS,
+    PREFETCH_BYTES,
+    WAIT_S,
+    StoreSettings,
+    check_tier_args,
+    namespace_of,
+    open_store,
+)
+from jaxkv.integrations.sglang_jax._store_sides import KnownKeys, ReadAhead
 
-ENV_STORE = "JAXKV_SGLANG_JAX_STORE"
-ENV_NAMESPACE = "JAXKV_SGLANG_JAX_NAMESPACE"
-ENV_WAIT_MS = "JAXKV_SGLANG_JAX_WAIT_MS"
-ENV_PREFETCH_MB = "JAXKV_SGLANG_JAX_PREFETCH_MB"
-ENV_HOST_POOL = "JAXKV_SGLANG_JAX_HOST_POOL"
-
-_WAIT_S = 0.02
-_PREFETCH_BYTES = 256 << 20
-# Blocks one store read asks for: a prefetch lands in host memory, and can be loaded, a batch
-# at a time.
-_BATCH = 16
-# Prefetches in flight at once: past them a match starts none (its request is recomputed)
-# rather than queueing reads behind a slow store.
-_MAX_PREFETCHES = 32
-_PREFETCH_THREADS = 2
-# A finished prefetch is not asked again for this long: a request waiting in the queue is
-# matched every round, and its blocks have either arrived or are not in the store.
-_RECHECK_S = 2.0
-# Finished prefetches remembered (for _RECHECK_S), beyond those in flight.
-_KEPT_PREFETCHES = 4096
-# Block keys the write side remembers as stored (see _KnownKeys).
-_KNOWN_KEYS = 1 << 17
 # `store_async` calls in flight; a backup past them is not written to the store (counted).
 _MAX_WRITES = 8
-
-_SPEC_HELP = (
-    "expected a store spec: disk:PATH, host:BYTES, a redis://, rediss:// or unix:// URL, or "
-    "several of them comma-separated, fastest first (a TieredStore)"
-)
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-# Server arguments that name the weights (and the KV cache's dtype) a tree's KV comes from.
-_WEIGHTS_ARGS = ("model_path", "revision", "dtype", "quantization", "kv_cache_dtype")
+__all__ = [
+    "ENV_HOST_POOL",
+    "ENV_NAMESPACE",
+    "ENV_PREFETCH_MB",
+    "ENV_STORE",
+    "ENV_WAIT_MS",
+    "StoreSettings",
+    "StoreTier",
+    "install",
+    "installed",
+    "namespace_of",
+    "open_store",
+    "radix_cache_class",
+    "uninstall",
+]
 
 _COUNTERS = (
     "lookups",
@@ -104,399 +99,6 @@ _COUNTERS = (
     "writes_refused",
     "errors",
 )
-
-
-# ---- settings -----------------------------------------------------------------------------
-
-
-def _spec_parts(spec: object) -> list[tuple[str, str]]:
-    """`spec` (see `open_store`) as (kind, argument) pairs, checked; opens nothing."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"store: {_SPEC_HELP}, got {spec!r}")
-    parts = []
-    for part in (p.strip() for p in spec.split(",")):
-        kind, _, arg = part.partition(":")
-        if part.startswith(_REDIS_SCHEMES):
-            parts.append(("redis", part))
-        elif kind == "disk" and arg:
-            parts.append(("disk", arg))
-        elif kind == "host" and arg.isdigit() and int(arg) > 0:
-            parts.append(("host", arg))
-        else:
-            where = "" if part == spec else f" in {spec!r}"
-            raise ValueError(f"store: {_SPEC_HELP}, got {part!r}{where}")
-    return parts
-
-
-def open_store(spec: str) -> BlockStore:
-    """The store `spec` names.
-
-    Args:
-        spec: `disk:PATH` (a `DiskStore` in that folder), `host:BYTES` (a `HostStore` of that
-            capacity, this process's alone), a `redis://`, `rediss://` or `unix://` URL (a
-            `RedisStore`), or several of them comma-separated, fastest first (a
-            `TieredStore` of them).
-
-    Returns:
-        The store, opened.
-
-    Raises:
-        ValueError: a spec that names none of these (or a store's own argument error).
-
-    Example:
-        >>> type(open_store("host:1048576")).__name__
-        'HostStore'
-        >>> [type(s).__name__ for s in open_store("host:1048576,disk:blocks").tiers]
-        ['HostStore', 'DiskStore']
-    """
-    opened: dict[str, Callable[[str], BlockStore]] = {
-        "disk": DiskStore,
-        "host": lambda arg: HostStore(int(arg)),
-        "redis": RedisStore,
-    }
-    stores = [opened[kind](arg) for kind, arg in _spec_parts(spec)]
-    return stores[0] if len(stores) == 1 else TieredStore(*stores)
-
-
-def namespace_of(server_args: object) -> str:
-    """The connector namespace of a server: the arguments that name its weights and KV dtype.
-
-    Blocks are only shared between servers whose namespace is equal, so it must change when
-    the weights do. A checkpoint rewritten in place under the same `model_path` keeps this
-    name: set `JAXKV_SGLANG_JAX_NAMESPACE` (`StoreSettings.namespace`) to one naming the
-    weights themselves (a checkpoint hash) in that case.
-
-    Args:
-        server_args: sglang-jax's `ServerArgs` (or any object with its attribute names).
-
-    Returns:
-        `"sglang-jax:model_path=...,revision=...,dtype=...,quantization=...,kv_cache_dtype=..."`.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> namespace_of(SimpleNamespace(model_path="Qwen/Qwen3-8B", revision=None,
-        ...     dtype="bfloat16", quantization=None, kv_cache_dtype="auto"))
-        'sglang-jax:model_path=Qwen/Qwen3-8B,revision=None,dtype=bfloat16,quantization=None,kv_cache_dtype=auto'
-    """
-    return "sglang-jax:" + ",".join(
-        f"{name}={getattr(server_args, name, None)}" for name in _WEIGHTS_ARGS
-    )
-
-
-def _env_number(env: Mapping[str, str], name: str, default: float, *, positive: bool) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    expected = "a number above 0" if positive else "a number, 0 or more"
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name}: expected {expected}, got {raw!r}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreSettings:
-    """What `install` builds each tree's store tier from.
-
-    Attributes:
-        store: the store, as a spec for `open_store`; opened by the process that builds the
-            tree (sglang-jax's scheduler).
-        namespace: the connector's namespace; None derives it from the server's arguments
-            (`namespace_of`).
-        wait_s: the most one scheduling round waits for store lookups, in seconds (>= 0).
-        prefetch_bytes: host memory for blocks read ahead from the store (> 0).
-        host_pool: also put HiCache's host tier (L2) on jaxkv's host memory: `install` makes
-            sglang-jax's `init_hicache` build `jaxkv.integrations.sglang_jax.LRUHostKVPool`.
-
-    Raises:
-        ValueError: a malformed `store` spec, a negative or non-finite `wait_s`, or a
-            `prefetch_bytes` that is not a positive int.
-        TypeError: a `namespace` that is neither a str nor None.
-    """
-
-    store: str
-    namespace: str | None = None
-    wait_s: float = _WAIT_S
-    prefetch_bytes: int = _PREFETCH_BYTES
-    host_pool: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host_pool, bool):
-            raise TypeError(f"host_pool: expected a bool, got {type(self.host_pool).__name__}")
-        _spec_parts(self.store)
-        if self.namespace is not None and not isinstance(self.namespace, str):
-            raise TypeError(
-                f"namespace: expected a str or None, got {type(self.namespace).__name__}"
-            )
-        _check_tier_args(self.wait_s, self.prefetch_bytes)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
-        """The settings the environment gives (inherited by every process sglang-jax starts):
-
-        - `JAXKV_SGLANG_JAX_STORE` (required): the store spec (`open_store`).
-        - `JAXKV_SGLANG_JAX_NAMESPACE`: the namespace (default: from the server's arguments).
-        - `JAXKV_SGLANG_JAX_WAIT_MS`: the wait per scheduling round, in ms (default 20).
-        - `JAXKV_SGLANG_JAX_PREFETCH_MB`: host memory for prefetched blocks, in MiB (256).
-        - `JAXKV_SGLANG_JAX_HOST_POOL`: `jaxkv` puts HiCache's host tier on jaxkv's
-          `LRUHostKVPool` too; `sglang-jax` (the default) keeps sglang-jax's own.
-
-        Args:
-            environ: the variables; None reads `os.environ`.
-
-        Raises:
-            ValueError: no store spec, or a malformed value (the message names the variable).
-        """
-        env = os.environ if environ is None else environ
-        store = env.get(ENV_STORE, "")
-        if not store.strip():
-            got = "nothing (unset)" if ENV_STORE not in env else repr(store)
-            raise ValueError(f"{ENV_STORE}: {_SPEC_HELP}, got {got}")
-        try:
-            _spec_parts(store)
-        except ValueError as err:
-            raise ValueError(f"{ENV_STORE}: {str(err).removeprefix('store: ')}") from None
-        wait_ms = _env_number(env, ENV_WAIT_MS, _WAIT_S * 1e3, positive=False)
-        mib = _env_number(env, ENV_PREFETCH_MB, _PREFETCH_BYTES / (1 << 20), positive=True)
-        host_pool = env.get(ENV_HOST_POOL, "sglang-jax")
-        if host_pool not in ("jaxkv", "sglang-jax"):
-            raise ValueError(
-                f"{ENV_HOST_POOL}: expected 'jaxkv' or 'sglang-jax', got {host_pool!r}"
-            )
-        return cls(
-            store=store,
-            namespace=env.get(ENV_NAMESPACE) or None,
-            wait_s=wait_ms / 1e3,
-            prefetch_bytes=max(1, int(mib * (1 << 20))),
-            host_pool=host_pool == "jaxkv",
-        )
-
-
-def _check_tier_args(wait_s: object, prefetch_bytes: object) -> None:
-    if (
-        isinstance(wait_s, bool)
-        or not isinstance(wait_s, (int, float))
-        or not math.isfinite(wait_s)
-        or wait_s < 0
-    ):
-        raise ValueError(f"wait_s: expected a number of seconds, 0 or more, got {wait_s!r}")
-    if (
-        not isinstance(prefetch_bytes, int)
-        or isinstance(prefetch_bytes, bool)
-        or prefetch_bytes < 1
-    ):
-        raise ValueError(f"prefetch_bytes: expected a positive int, got {prefetch_bytes!r}")
-
-
-# ---- the store's two sides ----------------------------------------------------------------
-
-
-class _KnownKeys(BlockStore):
-    """The write side of a store.
-
-    `contains` answers from the keys this process wrote, found stored or loaded, without I/O,
-    so the snapshot `store_async` takes on the scheduler's thread never waits on the store.
-    `put_many`, which runs on the connector's background worker, asks the store first and
-    writes only the blocks it does not hold. A key forgotten (past `_KNOWN_KEYS`) or stored by
-    another process is copied again and then found held: a copy, never a wrong answer.
-    """
-
-    def __init__(self, store: BlockStore):
-        super().__init__()
-        self.store = store
-        self._keys: collections.OrderedDict[str, None] = collections.OrderedDict()
-
-    def remember(self, keys: Sequence[str]) -> None:
-        with self._lock:
-            for key in keys:
-                self._keys[key] = None
-                self._keys.move_to_end(key)
-            while len(self._keys) > _KNOWN_KEYS:
-                self._keys.popitem(last=False)
-
-    def contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._keys
-
-    def get(self, key: str):
-        return self.store.get(key)
-
-    def put(self, record) -> bool:
-        return self.put_many([record])[0]
-
-    def put_many(self, records) -> list[bool]:
-        keys = [r.key for r in records]
-        held = self.store.contains_many(keys)
-        new = [r for r, h in zip(records, held) if not h]
-        written = iter(self.store.put_many(new) if new else ())
-        answers = [False if h else bool(next(written)) for h in held]
-        self.remember([k for k, h, w in zip(keys, held, answers) if h or w])
-        return answers
-
-    def __len__(self) -> int:
-        return len(self.store)
-
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
-
-    def stats(self) -> dict[str, Any]:
-        return self.store.stats()
-
-
-@dataclasses.dataclass
-class _Prefetch:
-    """One prefetch: `done` is set when it ended (whatever it found is in host memory)."""
-
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    finished_at: float | None = None
-
-
-class _ReadAhead(BlockStore):
-    """The read side of a store: answers from host memory alone (`cache`), so the lookups and
-    loads the scheduler's thread runs never wait on the store; `fetch` fills it from the store
-    on background threads, a `_BATCH` of blocks at a time.
-
-    While `seen()` is open, every key asked for (`contains_many`) or served (`get_many`) is
-    recorded with its answer: that is how the tier learns the keys the connector uses for a
-    prompt, per shard of a sharded pool, without computing them itself.
-
-    Args:
-        store: the store.
-        capacity: bytes of host memory for the blocks read ahead.
-        max_blocks: the most blocks one prefetch reads, per shard.
-        count: called with a counter's name: "prefetches" (one started), "prefetches_refused".
-        failed: called with (what, error) for a store call that raised.
-    """
-
-    def __init__(
-        self,
-        store: BlockStore,
-        capacity: int,
-        max_blocks: int,
-        count: Callable[[str], None],
-        failed: Callable[[str, BaseException], None],
-    ):
-        super().__init__()
-        self.store = store
-        self.cache = HostStore(capacity, preallocate_bytes=0)
-        self._max_blocks = max_blocks
-        self._count_as = count
-        self._on_error = failed
-        self._seen: list[tuple[list[str], list[bool]]] | None = None
-        self._jobs: collections.OrderedDict[str, _Prefetch] = collections.OrderedDict()
-        self._running = 0
-        self._threads = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="jaxkv-prefetch")
-
-    @contextlib.contextmanager
-    def seen(self) -> Iterator[list[tuple[list[str], list[bool]]]]:
-        """Records, while open, the keys asked for or served, each call's with its answers
-        (the scheduler's thread alone calls this)."""
-        seen: list[tuple[list[str], list[bool]]] = []
-        self._seen = seen
-        try:
-            yield seen
-        finally:
-            self._seen = None
-
-    def contains(self, key: str) -> bool:
-        return self.cache.contains(key)
-
-    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
-        held = self.cache.contains_many(keys, stop_at_miss=stop_at_miss)
-        if self._seen is not None:
-            self._seen.append((list(keys), list(held)))
-        return held
-
-    def get(self, key: str):
-        return self.cache.get(key)
-
-    def get_many(self, keys: Sequence[str], *, stop_at_miss: bool = False):
-        got = self.cache.get_many(keys, stop_at_miss=stop_at_miss)
-        if self._seen is not None:
-            self._seen.append((list(keys), [r is not None for r in got]))
-        return got
-
-    def put(self, record) -> bool:
-        return self.cache.put(record)
-
-    def discard(self, key: str) -> bool:
-        # A record the connector found wrong: gone from host memory now, and from the store
-        # in the background (so that the next write of the block repairs it).
-        self._threads.submit(self._discard_stored, key)
-        return self.cache.discard(key)
-
-    def _discard_stored(self, key: str) -> None:
-        try:
-            self.store.discard(key)
-        except Exception as err:
-            self._on_error("discard", err)
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    @property
-    def nbytes(self) -> int:
-        return self.cache.nbytes
-
-    def stats(self) -> dict[str, Any]:
-        return self.cache.stats()
-
-    def fetch(self, groups: list[list[str]], name: str) -> _Prefetch | None:
-        """The prefetch named `name` of the blocks `groups` (per shard, in prefix order): the
-        one in flight, or a new one. None when one of that name finished less than
-        `_RECHECK_S` ago (what it found is in host memory), or `_MAX_PREFETCHES` are in
-        flight."""
-        now = time.monotonic()
-        with self._lock:
-            last = self._jobs.get(name)
-            if last is not None:
-                if last.finished_at is None:
-                    return last
-                if now - last.finished_at < _RECHECK_S:
-                    return None
-            refused = self._running >= _MAX_PREFETCHES
-            if not refused:
-                self._running += 1
-                job = self._jobs[name] = _Prefetch()
-                self._jobs.move_to_end(name)
-                while len(self._jobs) > _KEPT_PREFETCHES + self._running:
-                    oldest = next(k for k, j in self._jobs.items() if j.finished_at is not None)
-                    del self._jobs[oldest]
-        if refused:
-            self._count_as("prefetches_refused")
-            return None
-        self._count_as("prefetches")
-        self._threads.submit(self._run, job, [keys[: self._max_blocks] for keys in groups])
-        return job
-
-    def _run(self, job: _Prefetch, groups: list[list[str]]) -> None:
-        try:
-            for keys in groups:
-                for i in range(0, len(keys), _BATCH):
-                    batch = keys[i : i + _BATCH]
-                    found = []
-                    for record in self.store.get_many(batch, stop_at_miss=True):
-                        if record is None:
-                            break
-                        found.append(record)
-                    if found:
-                        self.cache.put_many(found)
-                    if len(found) < len(batch):
-                        break
-        except Exception as err:  # a failing store: the blocks are recomputed
-            self._on_error("prefetch", err)
-        finally:
-            with self._lock:
-                job.finished_at = time.monotonic()
-                self._running -= 1
-            job.done.set()
-
-    def close(self) -> None:
-        self._threads.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,14 +163,14 @@ class StoreTier:
         store: BlockStore,
         *,
         namespace: str = "default",
-        wait_s: float = _WAIT_S,
-        prefetch_bytes: int = _PREFETCH_BYTES,
+        wait_s: float = WAIT_S,
+        prefetch_bytes: int = PREFETCH_BYTES,
     ):
         from sgl_jax.srt.mem_cache.unified_cache_components import BASE_COMPONENT_TYPE
 
         if not isinstance(store, BlockStore):
             raise TypeError(f"store: expected a BlockStore, got {type(store).__name__}")
-        _check_tier_args(wait_s, prefetch_bytes)
+        check_tier_args(wait_s, prefetch_bytes)
         if len(tree.tree_components) != 1 or tree.supports_recurrent():
             raise ValueError(
                 "tree_components: expected the FULL component alone (recurrent state is not "
@@ -584,13 +186,13 @@ class StoreTier:
         self.store = store
         self.wait_s = float(wait_s)
         self._full = BASE_COMPONENT_TYPE
-        self._known = _KnownKeys(store)
-        #: Writes HiCache's backups to the store (through `_KnownKeys`).
+        self._known = KnownKeys(store)
+        #: Writes HiCache's backups to the store (through `KnownKeys`).
         self.writer = KVConnector(pool, self._known, namespace=namespace, max_pending=_MAX_WRITES)
         self.block_size = self.writer.block_size
         block_bytes = self.writer.layout.block_nbytes(self.block_size)
         max_blocks = max(1, prefetch_bytes // (2 * block_bytes))
-        self._ahead = _ReadAhead(store, prefetch_bytes, max_blocks, self._count, self._failed)
+        self._ahead = ReadAhead(store, prefetch_bytes, max_blocks, self._count, self._failed)
         #: Looks prefixes up in, and loads them from, the blocks read ahead.
         self.reader = KVConnector(
             pool, self._ahead, namespace=namespace, block_size=self.block_size
@@ -859,8 +461,8 @@ def radix_cache_class() -> Any:
             *args: Any,
             store: BlockStore,
             namespace: str = "default",
-            wait_s: float = _WAIT_S,
-            prefetch_bytes: int = _PREFETCH_BYTES,
+            wait_s: float = WAIT_S,
+            prefetch_bytes: int = PREFETCH_BYTES,
             **kwargs: Any,
         ):
             super().__init__(*args, **kwargs)

@@ -1,0 +1,212 @@
+"""What the L3 tier under sglang-jax's HiCache is built from: its settings, from the
+environment (`StoreSettings.from_env`, inherited by every process sglang-jax spawns), the store
+specs (`open_store`) and the namespace derived from the server's arguments (`namespace_of`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Mapping
+
+from jaxkv.connector import BlockStore, DiskStore, HostStore, RedisStore, TieredStore
+
+ENV_STORE = "JAXKV_SGLANG_JAX_STORE"
+ENV_NAMESPACE = "JAXKV_SGLANG_JAX_NAMESPACE"
+ENV_WAIT_MS = "JAXKV_SGLANG_JAX_WAIT_MS"
+ENV_PREFETCH_MB = "JAXKV_SGLANG_JAX_PREFETCH_MB"
+ENV_HOST_POOL = "JAXKV_SGLANG_JAX_HOST_POOL"
+WAIT_S = 0.02
+PREFETCH_BYTES = 256 << 20
+_SPEC_HELP = (
+    "expected a store spec: disk:PATH, host:BYTES, a redis://, rediss:// or unix:// URL, or "
+    "several of them comma-separated, fastest first (a TieredStore)"
+)
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# Server arguments that name the weights (and the KV cache's dtype) a tree's KV comes from.
+_WEIGHTS_ARGS = ("model_path", "revision", "dtype", "quantization", "kv_cache_dtype")
+
+# ---- settings -----------------------------------------------------------------------------
+
+
+def _spec_parts(spec: object) -> list[tuple[str, str]]:
+    """`spec` (see `open_store`) as (kind, argument) pairs, checked; opens nothing."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"store: {_SPEC_HELP}, got {spec!r}")
+    parts = []
+    for part in (p.strip() for p in spec.split(",")):
+        kind, _, arg = part.partition(":")
+        if part.startswith(_REDIS_SCHEMES):
+            parts.append(("redis", part))
+        elif kind == "disk" and arg:
+            parts.append(("disk", arg))
+        elif kind == "host" and arg.isdigit() and int(arg) > 0:
+            parts.append(("host", arg))
+        else:
+            where = "" if part == spec else f" in {spec!r}"
+            raise ValueError(f"store: {_SPEC_HELP}, got {part!r}{where}")
+    return parts
+
+
+def open_store(spec: str) -> BlockStore:
+    """The store `spec` names.
+
+    Args:
+        spec: `disk:PATH` (a `DiskStore` in that folder), `host:BYTES` (a `HostStore` of that
+            capacity, this process's alone), a `redis://`, `rediss://` or `unix://` URL (a
+            `RedisStore`), or several of them comma-separated, fastest first (a
+            `TieredStore` of them).
+
+    Returns:
+        The store, opened.
+
+    Raises:
+        ValueError: a spec that names none of these (or a store's own argument error).
+
+    Example:
+        >>> type(open_store("host:1048576")).__name__
+        'HostStore'
+        >>> [type(s).__name__ for s in open_store("host:1048576,disk:blocks").tiers]
+        ['HostStore', 'DiskStore']
+    """
+    opened: dict[str, Callable[[str], BlockStore]] = {
+        "disk": DiskStore,
+        "host": lambda arg: HostStore(int(arg)),
+        "redis": RedisStore,
+    }
+    stores = [opened[kind](arg) for kind, arg in _spec_parts(spec)]
+    return stores[0] if len(stores) == 1 else TieredStore(*stores)
+
+
+def namespace_of(server_args: object) -> str:
+    """The connector namespace of a server: the arguments that name its weights and KV dtype.
+
+    Blocks are only shared between servers whose namespace is equal, so it must change when
+    the weights do. A checkpoint rewritten in place under the same `model_path` keeps this
+    name: set `JAXKV_SGLANG_JAX_NAMESPACE` (`StoreSettings.namespace`) to one naming the
+    weights themselves (a checkpoint hash) in that case.
+
+    Args:
+        server_args: sglang-jax's `ServerArgs` (or any object with its attribute names).
+
+    Returns:
+        `"sglang-jax:model_path=...,revision=...,dtype=...,quantization=...,kv_cache_dtype=..."`.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> namespace_of(SimpleNamespace(model_path="Qwen/Qwen3-8B", revision=None,
+        ...     dtype="bfloat16", quantization=None, kv_cache_dtype="auto"))
+        'sglang-jax:model_path=Qwen/Qwen3-8B,revision=None,dtype=bfloat16,quantization=None,kv_cache_dtype=auto'
+    """
+    return "sglang-jax:" + ",".join(
+        f"{name}={getattr(server_args, name, None)}" for name in _WEIGHTS_ARGS
+    )
+
+
+def _env_number(env: Mapping[str, str], name: str, default: float, *, positive: bool) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    expected = "a number above 0" if positive else "a number, 0 or more"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}: expected {expected}, got {raw!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSettings:
+    """What `install` builds each tree's store tier from.
+
+    Attributes:
+        store: the store, as a spec for `open_store`; opened by the process that builds the
+            tree (sglang-jax's scheduler).
+        namespace: the connector's namespace; None derives it from the server's arguments
+            (`namespace_of`).
+        wait_s: the most one scheduling round waits for store lookups, in seconds (>= 0).
+        prefetch_bytes: host memory for blocks read ahead from the store (> 0).
+        host_pool: also put HiCache's host tier (L2) on jaxkv's host memory: `install` makes
+            sglang-jax's `init_hicache` build `jaxkv.integrations.sglang_jax.LRUHostKVPool`.
+
+    Raises:
+        ValueError: a malformed `store` spec, a negative or non-finite `wait_s`, or a
+            `prefetch_bytes` that is not a positive int.
+        TypeError: a `namespace` that is neither a str nor None.
+    """
+
+    store: str
+    namespace: str | None = None
+    wait_s: float = WAIT_S
+    prefetch_bytes: int = PREFETCH_BYTES
+    host_pool: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host_pool, bool):
+            raise TypeError(f"host_pool: expected a bool, got {type(self.host_pool).__name__}")
+        _spec_parts(self.store)
+        if self.namespace is not None and not isinstance(self.namespace, str):
+            raise TypeError(
+                f"namespace: expected a str or None, got {type(self.namespace).__name__}"
+            )
+        check_tier_args(self.wait_s, self.prefetch_bytes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreSettings:
+        """The settings the environment gives (inherited by every process sglang-jax starts):
+
+        - `JAXKV_SGLANG_JAX_STORE` (required): the store spec (`open_store`).
+        - `JAXKV_SGLANG_JAX_NAMESPACE`: the namespace (default: from the server's arguments).
+        - `JAXKV_SGLANG_JAX_WAIT_MS`: the wait per scheduling round, in ms (default 20).
+        - `JAXKV_SGLANG_JAX_PREFETCH_MB`: host memory for prefetched blocks, in MiB (256).
+        - `JAXKV_SGLANG_JAX_HOST_POOL`: `jaxkv` puts HiCache's host tier on jaxkv's
+          `LRUHostKVPool` too; `sglang-jax` (the default) keeps sglang-jax's own.
+
+        Args:
+            environ: the variables; None reads `os.environ`.
+
+        Raises:
+            ValueError: no store spec, or a malformed value (the message names the variable).
+        """
+        env = os.environ if environ is None else environ
+        store = env.get(ENV_STORE, "")
+        if not store.strip():
+            got = "nothing (unset)" if ENV_STORE not in env else repr(store)
+            raise ValueError(f"{ENV_STORE}: {_SPEC_HELP}, got {got}")
+        try:
+            _spec_parts(store)
+        except ValueError as err:
+            raise ValueError(f"{ENV_STORE}: {str(err).removeprefix('store: ')}") from None
+        wait_ms = _env_number(env, ENV_WAIT_MS, WAIT_S * 1e3, positive=False)
+        mib = _env_number(env, ENV_PREFETCH_MB, PREFETCH_BYTES / (1 << 20), positive=True)
+        host_pool = env.get(ENV_HOST_POOL, "sglang-jax")
+        if host_pool not in ("jaxkv", "sglang-jax"):
+            raise ValueError(
+                f"{ENV_HOST_POOL}: expected 'jaxkv' or 'sglang-jax', got {host_pool!r}"
+            )
+        return cls(
+            store=store,
+            namespace=env.get(ENV_NAMESPACE) or None,
+            wait_s=wait_ms / 1e3,
+            prefetch_bytes=max(1, int(mib * (1 << 20))),
+            host_pool=host_pool == "jaxkv",
+        )
+
+
+def check_tier_args(wait_s: object, prefetch_bytes: object) -> None:
+    if (
+        isinstance(wait_s, bool)
+        or not isinstance(wait_s, (int, float))
+        or not math.isfinite(wait_s)
+        or wait_s < 0
+    ):
+        raise ValueError(f"wait_s: expected a number of seconds, 0 or more, got {wait_s!r}")
+    if (
+        not isinstance(prefetch_bytes, int)
+        or isinstance(prefetch_bytes, bool)
+        or prefetch_bytes < 1
+    ):
+        raise ValueError(f"prefetch_bytes: expected a positive int, got {prefetch_bytes!r}")
