@@ -9,6 +9,7 @@ HiCache tests run against this class through the `hicache_on_jaxkv` plugin.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -98,6 +99,32 @@ def filled(cfg, rng):
     return pool
 
 
+def filled_with_bits(cfg, rng):
+    """sglang-jax's pool of `cfg`, every entry a random bit pattern, NaN payloads (quiet and
+    signalling, either sign), infinities and subnormals among them."""
+    pool = build(cfg)
+    for layer, buf in enumerate(pool.kv_buffer):
+        width = np.dtype(buf.dtype).itemsize * 8
+        bits = rng.integers(0, 1 << width, buf.shape, dtype=np.uint64).astype(f"u{width // 8}")
+        special = SPECIAL_BITS[width]
+        bits.reshape(-1)[: len(special)] = special
+        values = bits.view(np.dtype(buf.dtype))
+        pool.kv_buffer[layer] = jax.device_put(values, buf.sharding)
+        np.testing.assert_array_equal(sp.bits(pool.kv_buffer[layer]), bits)  # put as it was
+    return pool
+
+
+# Per width: quiet NaNs with payloads, signalling NaNs, a negative NaN, infinities, the
+# smallest subnormal, negative zero.
+SPECIAL_BITS = {
+    16: np.array([0x7FC1, 0x7F81, 0xFFC3, 0x7F80, 0xFF80, 0x0001, 0x8000], np.uint16),
+    32: np.array(
+        [0x7FC00001, 0x7F800001, 0xFFC00003, 0x7F800000, 0xFF800000, 0x00000001, 0x80000000],
+        np.uint32,
+    ),
+}
+
+
 def host_pool(device_pool, pool_size, **overrides):
     """The host pool as sglang-jax's `init_hicache` makes it."""
     args = dict(
@@ -152,6 +179,50 @@ def test_round_trip_moves_whole_pages_bit_exact(cfg, rng, memory):
     # The slots keep their pages: a second load gives them again.
     pool.copy_to_device(slots[:1], [src[0]])
     assert_pages(kv, [src[0]], [b[[src[0]]] for b in before])
+
+
+@pytest.mark.parametrize(
+    "cfg", [pytest.param(sp.BY_NAME[c], id=c) for c in ("mha-bf16-p4", "mha-f32-p4")]
+)
+def test_every_bit_pattern_goes_and_comes_back(cfg, rng, memory):
+    # NaN payloads included: pages move as bits, never through float arithmetic, which would
+    # quiet or canonicalise them.
+    kv = filled_with_bits(cfg, rng)
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    pool = host_pool(kv, pool_size=3)
+    slots = [int(s) for s in pool.alloc(3)]
+    pool.copy_into([0, 1, 2], slots)
+    pool.copy_to_device(slots, [7, 8, 9])
+    for layer, buf in enumerate(kv.kv_buffer):
+        want = before[layer].copy()
+        want[[7, 8, 9]] = before[layer][[0, 1, 2]]
+        np.testing.assert_array_equal(sp.bits(buf), want, err_msg=f"layer {layer}")
+
+
+def _pointers(device_pool):
+    return [
+        [s.data.unsafe_buffer_pointer() for s in b.addressable_shards]
+        for b in device_pool.kv_buffer
+    ]
+
+
+def test_a_load_on_cpu_writes_the_device_buffers_in_place(rng):
+    # The arena's load writes the pages into the buffers' own memory: the old arrays are
+    # deleted, as any donation deletes them, and nothing of the buffers is copied, load after
+    # load (the host views a backup reads through hold nothing back).
+    kv = filled(sp.BY_NAME["mha-bf16-p4-tp2"], rng)
+    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    pointers = _pointers(kv)
+    pool = host_pool(kv, pool_size=4)
+    assert isinstance(pool._host, _pages_on_host.ArenaPages)
+    slots = [int(s) for s in pool.alloc(4)]
+    for round_ in range(2):
+        old = list(kv.kv_buffer)
+        pool.copy_into([1, 2, 3, 4], slots)
+        pool.copy_to_device(slots, [9 + round_, 11, 12, 13])
+        assert all(buf.is_deleted() for buf in old)
+        assert _pointers(kv) == pointers
+    assert_pages(kv, [10, 11, 12, 13], [b[[1, 2, 3, 4]] for b in before])
 
 
 def test_a_page_moves_with_its_heads_on_their_devices(rng, memory):
@@ -304,7 +375,7 @@ class _Gated:
         self._wait()
         return self._inner.fetch(slots)
 
-    def __getattr__(self, name):  # land, drop, warm
+    def __getattr__(self, name):  # gather, scatter, drop, precompile
         return getattr(self._inner, name)
 
 
@@ -477,6 +548,108 @@ def test_a_staged_load_keeps_the_page_it_read(rng, memory):
     assert_pages(kv, [9], old)
     pool.copy_to_device([slot], [10])
     assert_pages(kv, [10], new)
+
+
+# Frees are rarer than the rest: each drops whatever its slots had staged.
+OPS = ["alloc", "stage_backup", "flush_backup", "stage_load", "flush_load", "free"]
+OP_WEIGHTS = [0.15, 0.2, 0.17, 0.17, 0.23, 0.08]
+
+
+@pytest.mark.parametrize(
+    "cfg", [pytest.param(c, id=c.name) for c in (sp.BY_NAME["mha-f32-p4"], DP2)]
+)
+def test_random_moves_match_a_model_of_the_pool(cfg, rng, memory):
+    # Backups and loads staged and flushed in parts and out of order, slots backed up into
+    # again while loads from them are staged, frees between phases: every flushed load writes
+    # the page its stage_load read, and the pool's other device pages stay as they were.
+    kv = filled(cfg, rng)
+    n_pages = kv.kv_buffer[0].shape[0]
+    device = [sp.bits(buf) for buf in kv.kv_buffer]  # the model of the device pool
+    pool = host_pool(kv, pool_size=6)
+    held: dict[int, list] = {}  # slot -> the page it holds (per layer bits), once flushed
+    allocated: set[int] = set()
+    backups: dict[int, list] = {}  # staged, per slot
+    loads: dict[int, list] = {}
+
+    def some(items, at_most):
+        items = sorted(items)
+        k = int(rng.integers(1, min(at_most, len(items)) + 1))
+        return [items[i] for i in rng.permutation(len(items))[:k]]
+
+    done: collections.Counter[str] = collections.Counter()
+    for _ in range(200):
+        op = OPS[rng.choice(len(OPS), p=OP_WEIGHTS)]
+        if op == "alloc" and pool.available_size():
+            got = pool.alloc(int(rng.integers(1, pool.available_size() + 1)))
+            allocated.update(int(s) for s in got)
+        elif op == "stage_backup" and allocated:
+            slots = some(allocated, 4)
+            pages = rng.choice(n_pages, len(slots), replace=False).tolist()
+            pool.stage_backup(pages, slots)
+            done[op] += 1
+            for slot, page in zip(slots, pages):
+                backups[slot] = [d[page].copy() for d in device]
+        elif op == "flush_backup" and backups:
+            slots = some(backups, 4)
+            pool.flush_backup(slots)
+            done[op] += 1
+            for slot in slots:
+                held[slot] = backups.pop(slot)
+        elif op == "stage_load" and held:
+            slots = some(held, 4)
+            pool.stage_load(slots)
+            done[op] += 1
+            for slot in slots:
+                loads[slot] = held[slot]
+        elif op == "flush_load" and loads:
+            slots = some(loads, 4)
+            pages = rng.choice(n_pages, len(slots), replace=False).tolist()
+            pool.flush_load(slots, pages)
+            done[op] += 1
+            for slot, page in zip(slots, pages):
+                page_bits = loads.pop(slot)
+                for layer, d in enumerate(device):
+                    d[page] = page_bits[layer]
+            for layer, buf in enumerate(kv.kv_buffer):
+                np.testing.assert_array_equal(sp.bits(buf), device[layer], err_msg=f"layer {layer}")
+        elif op == "free" and allocated:
+            slots = some(allocated, 3)
+            pool.free(slots)
+            for slot in slots:
+                allocated.discard(slot)
+                for staged in (held, backups, loads):
+                    staged.pop(slot, None)
+    assert min(done[op] for op in ("stage_backup", "flush_backup", "stage_load", "flush_load")) >= 5
+    pool.free(sorted(allocated))
+    assert pool.available_size() == 6
+    if memory == "arena":
+        assert pool._host.rows_held() == 0  # every row came back
+
+
+def test_the_arena_keeps_one_row_a_slot_in_hicaches_flow(rng):
+    # Back up into fresh slots, load back, free: the arena never needs more rows than slots.
+    # A slot backed up into again while a load from it is staged holds two pages until the
+    # load's flush; then a row is added, and every row comes back once its holders are gone.
+    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+    pool = host_pool(kv, pool_size=4)
+    arena = pool._host
+    for _ in range(3):
+        slots = [int(s) for s in pool.alloc(4)]
+        pool.stage_backup([1, 2, 3, 4], slots)
+        pool.free(slots[:1])  # a slot freed between the phases
+        pool.flush_backup(slots[1:])
+        pool.copy_to_device(slots[1:], [5, 6, 7])
+        pool.free(slots[1:])
+        assert arena.rows == 4 and arena.rows_held() == 0
+    slots = [int(s) for s in pool.alloc(4)]
+    pool.copy_into([1, 2, 3, 4], slots)
+    pool.stage_load(slots[:1])
+    pool.copy_into([5], slots[:1])  # the staged load still holds the slot's old page
+    assert arena.rows > 4 and arena.rows_held() == 5
+    pool.flush_load(slots[:1], [9])
+    assert arena.rows_held() == 4
+    pool.free(slots)
+    assert arena.rows_held() == 0
 
 
 # ---- slots ---------------------------------------------------------------------------------

@@ -38,8 +38,8 @@ import jax
 import numpy as np
 
 from jaxkv._checks import int_arg, int_vector
-from jaxkv.integrations.sglang_jax._pages_on_device import Chunk, PageMover, chunk_sizes
-from jaxkv.integrations.sglang_jax._pages_on_host import host_pages_for
+from jaxkv.integrations.sglang_jax._pages_on_device import PageMover
+from jaxkv.integrations.sglang_jax._pages_on_host import Batch, host_pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,9 @@ class _Slot:
 
 
 class _Staged(NamedTuple):
-    """A slot's page between the two phases of a move: row `row` of a chunk on the devices."""
+    """A slot's page between the two phases of a move: row `row` of a batch."""
 
-    chunk: Chunk
+    batch: Batch
     row: int
 
 
@@ -98,11 +98,11 @@ class HiCacheHostPool:
     `NotImplementedError`, as in sglang-jax's own pool).
 
     `pool_size` slots of one device page each (all layers). On CPU devices the pages live in a
-    host arena allocated and touched at construction; on accelerators in the pinned host
-    arrays their backups landed in. Moves between the device pool and the host gather or
-    scatter whole pages, one compiled call over all layers per power-of-two chunk of the page
-    count (`precompile_transfers` compiles them all ahead), with the device pool's own
-    shardings.
+    host arena allocated and touched at construction, and move as numpy copies of their bits
+    between it and the device buffers (host memory too). On accelerators they live in the
+    pinned host arrays their backups landed in, and move as compiled gathers and scatters of
+    whole pages, one call over all layers per power-of-two chunk of the page count, with the
+    device pool's own shardings. `precompile_transfers` compiles every call ahead.
 
     The slots are page ids: `alloc`/`free` (batched) and `reserve`/`release` (one) hand them
     out and take them back, `inc_lock_ref`/`dec_lock_ref` pin them. Victims are chosen by the
@@ -125,7 +125,7 @@ class HiCacheHostPool:
     Raises:
         ValueError: `pool_size` not a positive int; `page_size`, `layer_num`, `mesh` or
             `partition_spec` not those of the device pool; buffers of different shapes,
-            dtypes or shardings.
+            dtypes or shardings; buffers on accelerators without pinned host memory.
         TypeError: buffers not on a `NamedSharding`.
     """
 
@@ -278,13 +278,12 @@ class HiCacheHostPool:
             return
         with self._lock:
             epochs = [self._allocated(slot, "host_buffer_ids").epoch for slot in ids]
-        chunks = self._mover.gather(self._kv_pool.kv_buffer, pages)
-        jax.block_until_ready(chunks)  # the buffers may be donated once this returns
-        staged = _rows_of(chunks)
+        # Returns once the copy is done: the buffers may be donated after this.
+        staged = _rows_of(self._host.gather(self._kv_pool.kv_buffer, pages))
         with self._lock:
-            for slot, epoch, (chunk, row) in zip(ids, epochs, staged):
+            for slot, epoch, entry in zip(ids, epochs, staged):
                 if self._current(slot, epoch):
-                    self._backups[slot] = _Staged(chunk, row)
+                    self._backups[slot] = entry
 
     def flush_backup(self, host_buffer_ids: list[int]) -> None:
         """Phase 2 of a backup: puts the pages staged for the slots into host memory.
@@ -319,9 +318,8 @@ class HiCacheHostPool:
                 state.filled = False
         done = False
         try:
-            for chunk, slots, rows in _by_chunk(ids, staged):
-                landed = self._host.land(self._mover.parts(chunk))
-                self._host.keep(slots, landed, rows)
+            for batch, slots, rows in _by_batch(ids, staged):
+                self._host.keep(slots, batch, rows)
             done = True
         finally:
             with self._lock:
@@ -341,8 +339,9 @@ class HiCacheHostPool:
         self.flush_load(host_buffer_ids, device_indices)
 
     def stage_load(self, host_buffer_ids: list[int]) -> None:
-        """Phase 1 of a load: copies the slots' pages onto the devices, staged for
-        `flush_load`.
+        """Phase 1 of a load: stages the slots' pages for `flush_load` (on accelerators,
+        copies them onto the devices), as they are now: a backup into a slot before the flush
+        leaves the staged page as it was.
 
         Touches no device buffer, so it runs on the controller's worker while the forward
         runs. A slot freed (and perhaps allocated again) meanwhile gets nothing staged.
@@ -371,24 +370,19 @@ class HiCacheHostPool:
                 epochs.append(state.epoch)
             for slot in ids:
                 self._slots[slot].readers += 1
-        chunks: list[Chunk] = []
+        batches: list[Batch] = []
         done = False
         try:
-            start = 0
-            for size in chunk_sizes(len(ids)):
-                on_devices = self._host.fetch(np.asarray(ids[start : start + size], np.int64))
-                chunks.append(self._mover.assemble(on_devices, size))
-                start += size
-            jax.block_until_ready(chunks)
+            batches = self._host.fetch(np.asarray(ids, np.int64))  # returns once they are ready
             done = True
         finally:
             with self._lock:
                 for slot in ids:
                     self._slots[slot].readers -= 1
                     self._settle(slot)
-                for slot, epoch, (chunk, row) in zip(ids, epochs, _rows_of(chunks) if done else []):
+                for slot, epoch, entry in zip(ids, epochs, _rows_of(batches) if done else []):
                     if self._current(slot, epoch):
-                        self._loads[slot] = _Staged(chunk, row)
+                        self._loads[slot] = entry
 
     def flush_load(self, host_buffer_ids: list[int], device_indices: list[int]) -> None:
         """Phase 2 of a load: scatters the pages staged for the slots into the device pages,
@@ -416,30 +410,26 @@ class HiCacheHostPool:
                     )
             staged = [self._loads.pop(slot) for slot in ids]
         buffers = self._kv_pool.kv_buffer
-        for chunk, positions, rows in _by_chunk(range(len(ids)), staged):
-            new = self._mover.scatter(buffers, chunk, rows, pages[positions])
-            # Each call donates the buffers it read: the pool holds the new ones before any
-            # further call (or error) can leave it holding donated arrays.
-            for layer, buf in enumerate(new):
-                buffers[layer] = buf
+        for batch, positions, rows in _by_batch(range(len(ids)), staged):
+            # Donates the buffers it reads and puts the new ones in their place before any
+            # further call (or error) can leave the pool holding donated arrays.
+            self._host.scatter(buffers, batch, rows, pages[positions])
         jax.block_until_ready(buffers)
 
     def precompile_transfers(self, max_pages: int | None = None) -> None:
-        """Compiles every gather and scatter a transfer of up to `max_pages` pages can use
-        (default and cap: the most a transfer can move, min(pool_size, device pages)), so no
-        compilation lands on the scheduler while serving. Moves no data and allocates no slot.
+        """Compiles every call a transfer of up to `max_pages` pages can use (default and cap:
+        the most a transfer can move, min(pool_size, device pages)), so no compilation lands on
+        the scheduler while serving. Moves no data and allocates no slot.
         """
         cap = min(self._pool_size, self._mover.pages)
         if max_pages is not None:
             cap = min(cap, int_arg("max_pages", max_pages, low=0))
         started = time.perf_counter()
-        sizes = self._mover.precompile(cap)
-        for size in sizes:
-            self._host.warm(size)
+        calls = self._host.precompile(cap)
         logger.info(
-            "host pool %s: compiled the transfers of %d chunk sizes (up to %d pages) in %.1f s",
+            "host pool %s: compiled %d transfer call(s) (up to %d pages) in %.1f s",
             self._pool_name,
-            len(sizes),
+            calls,
             cap,
             time.perf_counter() - started,
         )
@@ -560,20 +550,20 @@ def _check_distinct(name: str, values: list[int]) -> None:
         seen.add(value)
 
 
-def _rows_of(chunks: list[Chunk]) -> list[tuple[Chunk, int]]:
-    """(chunk, row) of each page of `chunks`, in order."""
-    return [(chunk, row) for chunk in chunks for row in range(int(chunk[0].shape[0]))]
+def _rows_of(batches: list[Batch]) -> list[_Staged]:
+    """(batch, row) of each page of `batches`, in order."""
+    return [_Staged(batch, row) for batch in batches for row in range(batch.size)]
 
 
-def _by_chunk(keys: Iterable[int], staged: list[_Staged]):
-    """(chunk, keys, rows) for each chunk among `staged`, in first-seen order: the keys (as an
-    int64 array) whose pages sit in that chunk, and their rows in it."""
-    groups: dict[int, tuple[Chunk, list[int], list[int]]] = {}
+def _by_batch(keys: Iterable[int], staged: list[_Staged]):
+    """(batch, keys, rows) for each batch among `staged`, in first-seen order: the keys (as an
+    int64 array) whose pages sit in that batch, and their rows in it."""
+    groups: dict[int, tuple[Batch, list[int], list[int]]] = {}
     for key, entry in zip(keys, staged):
-        group = groups.setdefault(id(entry.chunk), (entry.chunk, [], []))
+        group = groups.setdefault(id(entry.batch), (entry.batch, [], []))
         group[1].append(key)
         group[2].append(entry.row)
     return [
-        (chunk, np.asarray(members, np.int64), np.asarray(rows, np.int64))
-        for chunk, members, rows in groups.values()
+        (batch, np.asarray(members, np.int64), np.asarray(rows, np.int64))
+        for batch, members, rows in groups.values()
     ]

@@ -9,18 +9,28 @@ of its own share of the heads, so the host side reads and fills each device's pa
 collective. Batches carry the pages' bits, as unsigned ints of the dtype's width (bfloat16
 as uint16): numpy and DLPack have no bfloat16 or float8, and bits move exactly.
 
-A transfer of `n` pages runs as chunks of the powers of two that add up to `n` (13 = 8 + 4 + 1),
-each one compiled call over all layers at an exact size: nothing is padded on the way to the
-host, and the compiled shapes are one per power of two whatever counts the cache asks for.
+On CPU devices the buffers are host memory, and pages move without XLA: `shard_views` shows
+each device's share of a buffer as a numpy array of its bits. XLA:CPU turns a scatter into a
+bfloat16 buffer into float32 arithmetic over the whole buffer, and a bitcast of the buffer to
+its bits into a copy of it, so a scatter costs the buffer's size and quiets NaN payloads; a
+numpy copy costs the pages' size and moves bits. Writes go into buffers first taken over by
+`claim`, a donated call that returns the same memory as new arrays (the old ones deleted, as
+any donation deletes them), so no other array sees them change.
+
+A compiled transfer of `n` pages runs as chunks of the powers of two that add up to `n`
+(13 = 8 + 4 + 1), each one compiled call over all layers at an exact size: nothing is padded on
+the way to the host, and the compiled shapes are one per power of two whatever counts the
+cache asks for.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -31,9 +41,26 @@ PartKey = tuple[tuple[int, int], ...]
 Chunk = tuple[jax.Array, ...]  # per layer, (c, *page) on the batch sharding
 
 
+class Shard(NamedTuple):
+    """One device's share of a buffer: its part of a page (`key`) for pages [start, stop)."""
+
+    device: Any
+    key: PartKey
+    start: int
+    stop: int
+
+
 def chunk_sizes(n: int) -> list[int]:
     """The powers of two adding up to `n`, largest first (`chunk_sizes(13) == [8, 4, 1]`)."""
     return [1 << bit for bit in reversed(range(n.bit_length())) if n >> bit & 1]
+
+
+def _page_range(index: tuple[slice, ...] | None, pages: int) -> tuple[int, int]:
+    """The (start, stop) of the page axis in a shard's `index` (None: all)."""
+    if index is None:
+        return 0, pages
+    start, stop, _ = index[0].indices(pages)
+    return start, stop
 
 
 def _part_key(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> PartKey:
@@ -57,8 +84,9 @@ class PageMover:
         bits: the unsigned int dtype of its width, the dtype of batches.
         batch_sharding: the sharding of a batch `(c, *page)`: pages replicated, the rest of
             the buffers' spec kept.
-        placement: each addressable device and the part of a page it holds.
+        placement: each addressable device and the part of a page it holds in a batch.
         part_shapes: each part's shape (a page's shape, cut to what one device holds).
+        shards: each addressable device's share of a buffer (its part, its pages).
     """
 
     def __init__(self, buffers: Sequence[jax.Array]):
@@ -94,6 +122,14 @@ class PageMover:
         self._reader: dict[PartKey, Any] = {}
         for dev, key in self.placement.items():
             self._reader.setdefault(key, dev)
+        full = (self.pages, *self.page_shape)
+        self.shards = [
+            Shard(dev, _part_key(index, full), *_page_range(index, self.pages))
+            for dev, index in sharding.addressable_devices_indices_map(full).items()
+        ]
+        # XLA:CPU scatters a float buffer as float32 (see the module docstring); its bits
+        # scatter exactly. Accelerators scatter the buffer's own dtype, without a cast of it.
+        scatter_bits = all(dev.platform == "cpu" for dev in self.placement)
         self._signature = _Signature(
             self.layers,
             self.pages,
@@ -104,6 +140,7 @@ class PageMover:
             self.batch_sharding,
             self._index_sharding,
             self._explicit,
+            scatter_bits,
         )
 
     # ---- transfers ---------------------------------------------------------------------------
@@ -135,6 +172,19 @@ class PageMover:
             tuple(buffers), tuple(chunk), self._index(src), self._index(dst)
         )
 
+    def claim(self, buffers: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+        """The buffers' memory as new arrays, once every computation using them is done: the
+        buffers are donated and deleted, so the arrays returned are the only ones on it."""
+        return jax.block_until_ready(self._executable("claim", 0)(tuple(buffers)))
+
+    def shard_views(self, buffer: jax.Array, *, writable: bool = False) -> dict[Any, np.ndarray]:
+        """Each addressable device's share of `buffer` (on CPU devices) as a numpy array of its
+        bits, `(stop - start, *part)` (`shards` says which). `writable` only for arrays from
+        `claim`: nothing else may see them change."""
+        return {
+            s.device: _bits_view(s.data, self.bits, writable) for s in buffer.addressable_shards
+        }
+
     def parts(self, chunk: Chunk) -> dict[PartKey, tuple[jax.Array, ...]]:
         """Each part of `chunk`, per layer, as the single-device array one device holds."""
         by_device = [{s.device: s.data for s in layer.addressable_shards} for layer in chunk]
@@ -159,6 +209,10 @@ class PageMover:
             self._executable("scatter", size)
         return sizes
 
+    def precompile_claim(self) -> None:
+        """Compiles `claim`."""
+        self._executable("claim", 0)
+
     # ---- compiled calls ----------------------------------------------------------------------
 
     def _index(self, values: np.ndarray) -> jax.Array:
@@ -182,6 +236,7 @@ class _Signature:
     batch_sharding: NamedSharding
     index_sharding: NamedSharding
     explicit: bool
+    scatter_bits: bool
 
 
 _COMPILED: dict[tuple[_Signature, str, int], Any] = {}
@@ -207,6 +262,12 @@ def _compile(sig: _Signature, kind: str, size: int):
         spec((sig.pages, *sig.page_shape), sig.dtype, sig.buffer_sharding)
         for _ in range(sig.layers)
     )
+    if kind == "claim":
+        # Each output is its donated input: XLA aliases them, so the call copies nothing.
+        claim = jax.jit(
+            lambda bufs: bufs, donate_argnums=0, out_shardings=(sig.buffer_sharding,) * sig.layers
+        )
+        return claim.lower(buffers).compile()
     index = spec((size,), np.int32, sig.index_sharding)
     if kind == "gather":
         gather = jax.jit(
@@ -237,14 +298,29 @@ def _gather_pages(sig: _Signature, buffers, index):
 def _scatter_pages(sig: _Signature, buffers, chunk, src, dst):
     out = []
     for buf, layer in zip(buffers, chunk):
-        rows = jax.lax.bitcast_convert_type(_take(sig, layer, src), sig.dtype)
+        rows = _take(sig, layer, src)
+        if sig.scatter_bits:
+            buf = jax.lax.bitcast_convert_type(buf, sig.bits)
+        else:
+            rows = jax.lax.bitcast_convert_type(rows, sig.dtype)
         # `dst` holds distinct pages (the pool checks the caller's; the padding is distinct and
         # out of range), so the scatter declares unique indices.
         update = buf.at[dst]
         if sig.explicit:
-            out.append(
-                update.set(rows, mode="drop", unique_indices=True, out_sharding=sig.buffer_sharding)
+            new = update.set(
+                rows, mode="drop", unique_indices=True, out_sharding=sig.buffer_sharding
             )
         else:
-            out.append(update.set(rows, mode="drop", unique_indices=True))
+            new = update.set(rows, mode="drop", unique_indices=True)
+        out.append(jax.lax.bitcast_convert_type(new, sig.dtype) if sig.scatter_bits else new)
     return tuple(out)
+
+
+def _bits_view(x: jax.Array, bits: np.dtype, writable: bool) -> np.ndarray:
+    """A numpy view of the bits of `x`, a single-device array in host memory, that keeps `x`
+    alive (numpy's DLPack import has no bfloat16, so the address comes from XLA)."""
+    raw: Any = (ctypes.c_char * x.nbytes).from_address(x.unsafe_buffer_pointer())
+    raw.owner = x  # the view's base is `raw`; this ties `x` to it
+    view = np.frombuffer(raw, dtype=bits).reshape(x.shape)
+    view.flags.writeable = writable
+    return view

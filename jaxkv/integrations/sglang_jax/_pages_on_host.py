@@ -1,14 +1,21 @@
-"""Host memory for the pool's pages: a pre-touched arena on CPU devices, pinned segments on
+"""Host memory for the pool's pages: an arena on CPU devices, pinned segments on
 accelerators.
 
 A page of the pool lives on the host as one piece per part (the share of a page one device
-holds, `PageMover.placement`) and layer. Both kinds answer the same four calls:
+holds, `PageMover.placement`) and layer. Each kind runs the four steps of the two moves, and
+says what pages are between a move's two phases (a `Batch`, rows `0..size-1`):
 
-- `land(parts)`: a chunk that came off the devices, as host arrays per part and layer.
-- `keep(slots, landed, rows)`: rows `rows` of a landed chunk become the pages of `slots`.
-- `fetch(slots)`: the pages of `slots`, per device, as arrays on that device.
+- `gather(buffers, pages)`: the device pages, copied out of the device pool's buffers (on the
+  thread that owns them; it returns once nothing reads them any more).
+- `keep(slots, batch, rows)`: rows `rows` of a gathered batch become the pages of `slots`.
+- `fetch(slots)`: the pages `slots` hold now, ready for `scatter` (it returns once they are);
+  a later backup into a slot leaves them as they were.
+- `scatter(buffers, batch, rows, pages)`: rows `rows` of a fetched batch written into the
+  distinct device pages `pages` (on the thread that owns the buffers): the buffers are
+  donated, and the new ones replace them in the list `buffers` before anything can fail.
 - `drop(slot)`: the slot holds nothing any more.
-- `warm(size)`: compiles whatever a fetch of `size` pages runs (for `precompile_transfers`).
+- `precompile(max_pages)`: compiles whatever a transfer of up to `max_pages` pages runs;
+  returns how many compiled calls that is.
 
 The pool calls `keep` and `fetch` outside its lock, only for slots it has claimed (no other
 copy in or out of them runs meanwhile), and `drop` once a slot is back on its free list.
@@ -16,52 +23,66 @@ copy in or out of them runs meanwhile), and `drop` once a slot is back on its fr
 
 from __future__ import annotations
 
+import collections
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from jaxkv.connector._staging import StagingCache, aligned_empty, host_view, to_host
-from jaxkv.integrations.sglang_jax._pages_on_device import PageMover, PartKey
+from jaxkv.connector._staging import StagingCache, aligned_empty, host_view
+from jaxkv.integrations.sglang_jax._pages_on_device import PageMover, PartKey, Shard, chunk_sizes
 
 _TOUCH = 4096  # bytes between the writes that fault a fresh mapping in
 
 
-class Landed:
-    """A chunk on the host: per part, per layer, `(c, *part_shape)` arrays (`views`), and
-    what holds their memory (`owner`: a pinned segment, or None for views of device arrays
-    read before the call that landed them returns)."""
+class Batch:
+    """Pages between the two phases of a move, rows `0..size-1`, as the kind of host memory
+    holds them (`data`: a chunk on the devices, or host staging)."""
 
-    __slots__ = ("views", "owner")
+    __slots__ = ("data", "size", "__weakref__")
 
-    def __init__(self, views: Mapping[PartKey, Sequence[np.ndarray]], owner: Any = None):
-        self.views, self.owner = views, owner
+    def __init__(self, data: Any, size: int):
+        self.data, self.size = data, size
 
 
 class HostPages(Protocol):
     """Where the pool's pages live on the host (see the module docstring)."""
 
-    def land(self, parts: Mapping[PartKey, Sequence[jax.Array]]) -> Landed: ...
+    def gather(self, buffers: Sequence[jax.Array], pages: np.ndarray) -> list[Batch]: ...
 
-    def keep(self, slots: np.ndarray, landed: Landed, rows: np.ndarray) -> None: ...
+    def keep(self, slots: np.ndarray, batch: Batch, rows: np.ndarray) -> None: ...
 
-    def fetch(self, slots: np.ndarray) -> dict[Any, tuple[jax.Array, ...]]: ...
+    def fetch(self, slots: np.ndarray) -> list[Batch]: ...
+
+    def scatter(
+        self, buffers: list[jax.Array], batch: Batch, rows: np.ndarray, pages: np.ndarray
+    ) -> None: ...
 
     def drop(self, slot: int) -> None: ...
 
-    def warm(self, size: int) -> None: ...
+    def precompile(self, max_pages: int) -> int: ...
 
 
 def host_pages_for(slots: int, mover: PageMover) -> HostPages:
-    """The host memory for `slots` pages of `mover`'s pool: pinned segments when every device
-    has a `pinned_host` memory and is an accelerator, the arena otherwise."""
+    """The host memory for `slots` pages of `mover`'s pool: the arena on CPU devices, pinned
+    segments on accelerators.
+
+    Raises:
+        ValueError: accelerators without a `pinned_host` memory.
+    """
     devices = list(mover.placement)
-    if all(dev.platform != "cpu" and _has_pinned_host(dev) for dev in devices):
+    if all(dev.platform == "cpu" for dev in devices):
+        return ArenaPages(slots, mover)
+    if all(_has_pinned_host(dev) for dev in devices):
         return PinnedPages(slots, mover)
-    return ArenaPages(slots, mover)
+    raise ValueError(
+        "device_pool.kv_buffer: expected arrays on CPU devices or on accelerators with "
+        f"pinned host memory (memory_kind 'pinned_host'), got {sorted(map(str, devices))}"
+    )
 
 
 def _has_pinned_host(dev) -> bool:
@@ -72,56 +93,175 @@ def _has_pinned_host(dev) -> bool:
 
 
 class ArenaPages:
-    """Pages in host arrays allocated and touched once: per part, `(layers, slots, *part)`.
+    """Pages in host memory allocated and touched ahead, for a pool on CPU devices: rows of
+    blocks of host arrays, per part `(layers, rows, *part)`, one row a page.
 
-    A slot's page sits at row `slot` of every layer, so keeping a page is one copy per part
-    and layer, and the memory never moves or grows. Every 4 KiB page of the arena is written
-    at construction: a copy into fresh memory pays a page fault per 4 KiB on first touch.
-    On CPU devices a landed chunk is a zero-copy view of the device array, and a fetched page
-    is copied once, straight into memory XLA allocated for the device array.
+    A row is written once, while no one else holds it, and never changed after: a slot refers
+    to the row of its page (as a pinned slot refers to its row of a segment) and a batch holds
+    the rows of its pages. So each move is one numpy copy per part and layer, of the pages'
+    bits, the device buffers being host memory too (`PageMover.shard_views`): `gather` copies
+    device pages into free rows, `keep` points the slots at them, `fetch` holds the slots'
+    rows, `scatter` copies those rows into device pages. A row is free again once no slot and
+    no batch holds it (a batch lets go of its rows when the last reference to it goes).
+
+    The first block has a row per slot, and every 4 KiB page of a block is written when it is
+    made: a copy into fresh memory pays a page fault per 4 KiB on first touch. Rows beyond one
+    per slot are needed only while a slot's old page is held with its new one (a slot that
+    holds a page backed up into again, a load staged from a slot backed up into again before
+    the load's flush); then a block is added, and kept.
     """
 
     def __init__(self, slots: int, mover: PageMover):
         self._mover = mover
-        self._rows: dict[PartKey, np.ndarray] = {}
-        for key, shape in mover.part_shapes.items():
-            rows = aligned_empty((mover.layers, slots, *shape), mover.bits)
-            rows.reshape(-1).view(np.uint8)[::_TOUCH] = 0
-            self._rows[key] = rows
+        self._slots = slots
+        self._lock = threading.Lock()
+        self._blocks: list[dict[PartKey, np.ndarray]] = []
+        self._starts = np.zeros(0, np.int64)  # each block's first row
+        self._refs = np.zeros(0, np.int32)  # per row: the slots and batches holding it
+        self._slot_row = np.full(slots, -1, np.int64)  # -1: the slot holds no page
+        # Rows let go of by batches that died, counted down at the next call: a batch may die
+        # on any thread, inside any call, the lock's holder's included.
+        self._released: collections.deque[np.ndarray] = collections.deque()
+        self._grow(slots)
+        # The shards each part is read from: one per run of pages (replicas agree).
+        self._readers: dict[PartKey, list[Shard]] = {}
+        runs: set[tuple[PartKey, int]] = set()
+        for shard in mover.shards:
+            if (shard.key, shard.start) not in runs:
+                runs.add((shard.key, shard.start))
+                self._readers.setdefault(shard.key, []).append(shard)
 
-    def land(self, parts):
-        return Landed({key: [to_host(x) for x in layers] for key, layers in parts.items()})
+    def gather(self, buffers, pages):
+        jax.block_until_ready(buffers)  # computations still writing them finish first
+        with self._lock:
+            batch = self._batch(self._allocate(len(pages)))
+            runs = self._runs(batch.data)
+        for layer, buf in enumerate(buffers):
+            views = self._mover.shard_views(buf)
+            for key, shards in self._readers.items():
+                for shard in shards:
+                    src = views[shard.device]
+                    inside = (pages >= shard.start) & (pages < shard.stop)
+                    for first, stop, block, row in runs:
+                        out = block[key][layer, row : row + stop - first]
+                        part, ins = pages[first:stop] - shard.start, inside[first:stop]
+                        if ins.all():
+                            # numpy's default mode copies through a temporary, in case an
+                            # index is bad; the pool has checked them.
+                            np.take(src, part, axis=0, out=out, mode="clip")
+                        elif ins.any():
+                            out[ins] = src[part[ins]]
+        return [batch]
 
-    def keep(self, slots, landed, rows):
-        for key, layers in landed.views.items():
-            dst = self._rows[key]
-            for layer, src in enumerate(layers):
-                dst[layer, slots] = _rows_of(src, rows)
+    def keep(self, slots, batch, rows):
+        with self._lock:
+            self._count_released()
+            new = batch.data[rows]
+            old = self._slot_row[slots]
+            self._slot_row[slots] = new
+            self._hold(new, 1)
+            self._hold(old[old >= 0], -1)
 
     def fetch(self, slots):
-        out = {}
-        for dev, key in self._mover.placement.items():
-            rows = self._rows[key]
-            out[dev] = tuple(self._on_device(rows[layer], slots, dev) for layer in range(len(rows)))
-        return out
+        with self._lock:
+            self._count_released()
+            rows = self._slot_row[slots]
+            assert (rows >= 0).all(), "the pool fetches only slots that hold a page"
+            self._hold(rows, 1)
+            return [self._batch(rows)]
+
+    def scatter(self, buffers, batch, rows, pages):
+        # In row order, rows that follow each other copy as one run, whatever their pages.
+        order = np.argsort(batch.data[rows], kind="stable")
+        src_rows, pages = batch.data[rows][order], pages[order]
+        with self._lock:
+            runs = self._runs(src_rows)
+        claimed = self._mover.claim(buffers)
+        for layer, buf in enumerate(claimed):
+            buffers[layer] = buf
+        for layer, buf in enumerate(claimed):
+            views = self._mover.shard_views(buf, writable=True)
+            for shard in self._mover.shards:  # every replica of a page is written
+                dst = views[shard.device]
+                inside = (pages >= shard.start) & (pages < shard.stop)
+                for first, stop, block, row in runs:
+                    src = block[shard.key][layer, row : row + stop - first]
+                    part, ins = pages[first:stop] - shard.start, inside[first:stop]
+                    if ins.all():
+                        dst[part] = src
+                    elif ins.any():
+                        dst[part[ins]] = src[ins]
 
     def drop(self, slot):
-        pass  # the row is rewritten by the slot's next page
+        with self._lock:
+            self._count_released()
+            row = self._slot_row[slot]
+            if row >= 0:
+                self._slot_row[slot] = -1
+                self._refs[row] -= 1
 
-    def warm(self, size):
-        for dev, key in self._mover.placement.items():
-            if dev.platform == "cpu":
-                _xla_owned((size, *self._mover.part_shapes[key]), self._mover.bits, dev)
+    def precompile(self, max_pages):
+        self._mover.precompile_claim()  # the copies are numpy's: only the claim compiles
+        return 1
 
-    def _on_device(self, rows: np.ndarray, slots: np.ndarray, dev) -> jax.Array:
-        shape = (len(slots), *rows.shape[1:])
-        if dev.platform == "cpu":
-            # A CPU device reads numpy memory it is handed in place (device_put aliases it), so
-            # the pages are copied into memory XLA allocated, which outlives nothing of ours.
-            arr = _xla_owned(shape, rows.dtype, dev)
-            np.take(rows, slots, axis=0, out=host_view(arr, writable=True))
-            return arr
-        return jax.device_put(np.take(rows, slots, axis=0), dev)
+    @property
+    def rows(self) -> int:
+        """Rows allocated, in all blocks (`slots` until a block is added)."""
+        return len(self._refs)
+
+    def rows_held(self) -> int:
+        """Rows some slot or batch holds now."""
+        with self._lock:
+            self._count_released()
+            return int(np.count_nonzero(self._refs))
+
+    # ---- rows (callers hold the lock) --------------------------------------------------------
+
+    def _allocate(self, count: int) -> np.ndarray:
+        """`count` free rows, lowest first (so they mostly follow each other), now held once."""
+        self._count_released()
+        free = np.flatnonzero(self._refs == 0)
+        if len(free) < count:
+            self._grow(max(count - len(free), -(-self._slots // 8)))
+            free = np.flatnonzero(self._refs == 0)
+        rows = free[:count]
+        self._refs[rows] = 1
+        return rows
+
+    def _grow(self, rows: int) -> None:
+        m = self._mover
+        block = {}
+        for key, shape in m.part_shapes.items():
+            arr = aligned_empty((m.layers, rows, *shape), m.bits)
+            arr.reshape(-1).view(np.uint8)[::_TOUCH] = 0
+            block[key] = arr
+        self._blocks.append(block)
+        self._starts = np.append(self._starts, len(self._refs))
+        self._refs = np.concatenate([self._refs, np.zeros(rows, np.int32)])
+
+    def _hold(self, rows: np.ndarray, delta: int) -> None:
+        np.add.at(self._refs, rows, delta)
+
+    def _count_released(self) -> None:
+        while self._released:
+            self._hold(self._released.popleft(), -1)
+
+    def _batch(self, rows: np.ndarray) -> Batch:
+        """A batch of `rows` (held once for it), letting go of them when it dies."""
+        batch = Batch(rows, len(rows))
+        weakref.finalize(batch, self._released.append, rows)
+        return batch
+
+    def _runs(self, rows: np.ndarray) -> list[tuple[int, int, dict[PartKey, np.ndarray], int]]:
+        """`(first, stop, block, row)` for each run of `rows` that follow each other in one
+        block: `rows[first:stop]` are that block's rows from `row` on."""
+        blocks = np.searchsorted(self._starts, rows, side="right") - 1
+        breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(blocks) != 0)) + 1
+        edges = [0, *breaks.tolist(), len(rows)]
+        return [
+            (a, b, self._blocks[blocks[a]], int(rows[a] - self._starts[blocks[a]]))
+            for a, b in zip(edges, edges[1:])
+        ]
 
 
 def _rows_of(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -129,11 +269,6 @@ def _rows_of(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
     if len(rows) == len(x) and np.array_equal(rows, np.arange(len(x))):
         return x
     return x[rows]
-
-
-def _xla_owned(shape: tuple[int, ...], dtype, dev) -> jax.Array:
-    """A new zeroed array of XLA's own memory on `dev` (one compiled fill per shape)."""
-    return jnp.zeros(shape, dtype, device=dev)
 
 
 class _Segment:
@@ -149,11 +284,13 @@ class _Segment:
 class PinnedPages:
     """Pages in the pinned host arrays their chunks landed in (segments), kept as they are.
 
-    A chunk crosses the link once, device to pinned memory at the link's speed, and its pages
-    stay there: a slot refers to a row of a segment. A segment's memory is freed when its last
-    page leaves the pool; pages backed up together (one radix node's) usually leave together.
-    A fetch copies the slots' rows from their segments into pinned staging (reused) and sends
-    that to each device in one transfer per layer.
+    A move runs as compiled calls over all layers, per power-of-two chunk of its pages
+    (`PageMover`): a batch is a chunk on the devices. A chunk crosses the link once, device to
+    pinned memory at the link's speed, and its pages stay there: a slot refers to a row of a
+    segment. A segment's memory is freed when its last page leaves the pool; pages backed up
+    together (one radix node's) usually leave together. A fetch copies the slots' rows from
+    their segments into pinned staging (reused) and sends that to each device in one transfer
+    per layer.
     """
 
     def __init__(self, slots: int, mover: PageMover):
@@ -163,20 +300,43 @@ class PinnedPages:
         # Staging transfers name their target device through an array on it.
         self._anchors = {dev: jax.device_put(np.zeros((), np.int8), dev) for dev in mover.placement}
 
-    def land(self, parts):
+    def gather(self, buffers, pages):
+        chunks = self._mover.gather(buffers, pages)
+        jax.block_until_ready(chunks)  # the buffers may be donated once this returns
+        return [Batch(chunk, int(chunk[0].shape[0])) for chunk in chunks]
+
+    def keep(self, slots, batch, rows):
+        parts = self._mover.parts(batch.data)
         pinned = {
             key: [jax.device_put(x, _pinned_on(x)) for x in layers] for key, layers in parts.items()
         }
         segment = _Segment(pinned)  # its views wait for the transfers
-        return Landed(segment.views, owner=segment)
-
-    def keep(self, slots, landed, rows):
-        segment = landed.owner
-        assert isinstance(segment, _Segment), "PinnedPages keeps only chunks it landed"
         for slot, row in zip(slots.tolist(), rows.tolist()):
             self._refs[slot] = (segment, row)
 
     def fetch(self, slots):
+        batches, start = [], 0
+        for size in chunk_sizes(len(slots)):
+            on_devices = self._to_devices(slots[start : start + size])
+            batches.append(Batch(self._mover.assemble(on_devices, size), size))
+            start += size
+        jax.block_until_ready([batch.data for batch in batches])
+        return batches
+
+    def scatter(self, buffers, batch, rows, pages):
+        new = self._mover.scatter(buffers, batch.data, rows, pages)
+        for layer, buf in enumerate(new):
+            buffers[layer] = buf
+
+    def drop(self, slot):
+        self._refs[slot] = None
+
+    def precompile(self, max_pages):
+        # Pinned staging and its transfers compile nothing.
+        return 2 * len(self._mover.precompile(max_pages))
+
+    def _to_devices(self, slots: np.ndarray) -> dict[Any, tuple[jax.Array, ...]]:
+        """The pages of `slots`, per device, as arrays on that device."""
         refs = [self._refs[slot] for slot in slots.tolist()]
         groups: dict[int, tuple[_Segment, list[int], list[int]]] = {}
         for pos, ref in enumerate(refs):
@@ -197,12 +357,6 @@ class PinnedPages:
                 arrays = staging.on_device(self._anchors[dev])
                 out[dev] = tuple(jax.block_until_ready(arrays))  # before the staging is reused
         return out
-
-    def drop(self, slot):
-        self._refs[slot] = None
-
-    def warm(self, size):
-        pass  # pinned staging and its transfers compile nothing
 
 
 def _pinned_on(x: jax.Array) -> SingleDeviceSharding:
