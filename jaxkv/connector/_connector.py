@@ -765,6 +765,7 @@ class KVConnector:
             return view.pool, 0
         bs = self.block_size
         rows = slots[: n_blocks * bs]
+        view.check_replaceable()  # before any shard is donated: a refusal changes nothing
         placed = _shards.placements(view)
         written = {}
         for (group, replicas), (records, _) in zip(groups, fetched):

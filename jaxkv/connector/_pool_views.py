@@ -51,6 +51,10 @@ class PoolView:
         were donated); returns it."""
         raise NotImplementedError
 
+    def check_replaceable(self) -> None:
+        """`TypeError` unless `replace_buffers` can set every part's buffers: called before
+        buffers are donated, when a refusal would leave deleted arrays behind."""
+
     def host_layers(self, part: Part) -> list | None:
         """The part's layer buffers when jaxkv moves them outside XLA, else None: numpy views
         of host memory, or raw-bit torch views of torch tensors on an accelerator (both are
@@ -180,6 +184,10 @@ class _ForeignView(PoolView):
             self.pool[:] = layers
             return
         setattr(self.pool, attr, _same_container(getattr(self.pool, attr), layers))
+
+    def check_replaceable(self) -> None:
+        for part in self.layout.parts:
+            self._check_settable(part.attr, self.buffers(part))
 
     def replace_buffers(self, changes):
         for attr in changes:

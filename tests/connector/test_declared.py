@@ -209,3 +209,20 @@ def test_paged_buffers_without_a_declaration_are_refused(rng):
     with pytest.raises(UnsupportedKVCacheError, match="does not guess") as err:
         KVConnector(Lookalike(), HostStore(1 << 20))
     assert "layout=PoolLayout" in str(err.value)
+
+
+def test_a_refused_load_on_an_explicit_mesh_donates_nothing(rng):
+    """Pools on explicit meshes move shard by shard; a pool that cannot take new buffers (a
+    tuple) is refused before any shard is donated."""
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    caches = tuple(jax.device_put(b, placed) for b in _fused(rng))
+    before = [_bits(b) for b in caches]
+    conn = KVConnector(caches, HostStore(1 << 24), layout=FUSED)
+    tokens = rng.integers(0, 1000, 4)
+    assert conn.store(caches, tokens, range(4, 8)) == 1
+    with pytest.raises(TypeError, match="expected a list of jax buffers"):
+        conn.load(caches, tokens, range(8, 12))
+    assert all(not b.is_deleted() for b in caches)
+    for old, b in zip(before, caches):
+        np.testing.assert_array_equal(_bits(b), old)
