@@ -33,9 +33,9 @@ from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord
 from jaxkv.connector._replies import (
     answers,
+    block_fault,
     checked_bool,
     count_of,
-    is_block,
     is_bool,
     is_record_or_none,
     stats_dict,
@@ -43,7 +43,7 @@ from jaxkv.connector._replies import (
 )
 from jaxkv.connector._transfers import Snapshot, TransferPath, choose_path, gather_blocks
 from jaxkv.connector._writes import BackgroundWrites
-from jaxkv.connector.stores import BlockStore, FailureLog, StoreResult
+from jaxkv.connector.stores import BlockStore, DamageLog, FailureLog, StoreResult
 from jaxkv.errors import StoreReplyError
 
 # Chains kept per connector, one per root (layout fingerprint and salt): a sharded pool has a
@@ -201,6 +201,7 @@ class KVConnector:
         self._writes = BackgroundWrites(int(max_pending))
         self.strict = strict
         self._failures = FailureLog("KVConnector")
+        self._refused = DamageLog("KVConnector")
         self._counters = dict.fromkeys(
             (
                 "lookups",
@@ -732,14 +733,18 @@ class KVConnector:
             if record is None:
                 break
             block = data[4 * (first + i) * bs : 4 * (first + i + 1) * bs]
-            if not is_block(record, keys[i], block, fingerprint, want):
+            fault = block_fault(record, keys[i], block, fingerprint, want)
+            if fault is not None:
                 self._count("verification_failures")
-                self._discard(keys[i])
+                removed = self._discard(keys[i])
+                store = type(self.backend).__name__
+                done = f"{store} discarded it" if removed else f"{store} could not remove it"
+                self._refused.note(keys[i], f"served by {store} {fault}", done)
                 break
             records.append(record)
         return records, len(digests)
 
-    def _discard(self, key: str) -> None:
+    def _discard(self, key: str) -> bool:
         """Removes the record the store served for `key`, which failed the checks, so that
         `lookup` stops promising it and the next `store` writes the block again."""
         removed = self._call(
@@ -751,6 +756,7 @@ class KVConnector:
         )
         if removed:
             self._count("discarded")
+        return bool(removed)
 
     def _load_shards(self, view: PoolView, data: bytes, slots, salt, first: int):
         """`load` of a sharded pool: the blocks every shard of this process holds, written

@@ -126,6 +126,20 @@ class PoolLayout:
             raise ValueError(f"start_layer: expected an int >= 0, got {self.start_layer!r}")
         object.__setattr__(self, "buffers", buffers)
 
+    @classmethod
+    def declared_for(cls, pool) -> PoolLayout | None:
+        """The layout jaxkv declares for `pool` when its class is one jaxkv recognises
+        (sglang-jax's `MHATokenToKVPool` and `MLATokenToKVPool`, subclasses too), from the
+        pool's own attributes, every buffer family it holds listed (DSA's indexer keys too);
+        None for any other class. Pages spread over data ranks are described as they lie
+        (`KVConnector` refuses those pools: their token slots are rank-local).
+
+        Raises:
+            UnsupportedKVCacheError: buffers that disagree with the pool's attributes.
+        """
+        name = _sglang_jax_class(pool)
+        return None if name is None else _DESCRIBERS[name](pool)
+
     def resolve(self, pool) -> Layout:
         """The `Layout` of `pool` under this declaration, every buffer checked against it.
 
@@ -268,7 +282,6 @@ def _refuse_data_parallel(pool, dp: int) -> None:
 
 def _sglang_jax_mha(pool) -> PoolLayout:
     a = _attrs(pool, "size", "page_size", "head_num", "head_dim", "dp_size", "start_layer")
-    _refuse_data_parallel(pool, a["dp_size"])
     p, page = _packing(pool), a["page_size"]
     want = (a["size"] // page + a["dp_size"], page, 2 * a["head_num"] // p, p, a["head_dim"])
     _check_shapes(pool, "kv_buffer", want, f"{a}, packing {p}")
@@ -285,7 +298,6 @@ def _sglang_jax_mla(pool) -> PoolLayout:
     a = _attrs(
         pool, "size", "page_size", "kv_lora_rank", "qk_rope_head_dim", "dp_size", "start_layer"
     )
-    _refuse_data_parallel(pool, a["dp_size"])
     p, page = _packing(pool), a["page_size"]
     rows = _align(page, p)
     pages = a["size"] // page + a["dp_size"]
@@ -319,5 +331,7 @@ def recognised(pool) -> PoolLayout | None:
         UnsupportedKVCacheError: a recognised pool whose buffers disagree with its attributes,
             or one jaxkv does not serve (data-parallel pages).
     """
-    cls = _sglang_jax_class(pool)
-    return None if cls is None else _DESCRIBERS[cls](pool)
+    if _sglang_jax_class(pool) is None:
+        return None
+    _refuse_data_parallel(pool, _attrs(pool, "dp_size")["dp_size"])
+    return PoolLayout.declared_for(pool)

@@ -15,26 +15,34 @@ from jaxkv.connector.stores import StoreResult
 from jaxkv.errors import StoreReplyError
 
 
-def is_block(record: BlockRecord, key: str, block_tokens: bytes, fingerprint: str, want) -> bool:
-    """Whether `record` is the block that `key` names: that key, the layout `fingerprint`, the
-    digest of `block_tokens`, and exactly the parts of `want` (part key -> (shape, dtype)),
-    each a numpy array of that shape and dtype. Whatever the store handed back, a record that
-    is anything else (or that breaks these checks by raising) is not that block."""
+def block_fault(
+    record: BlockRecord, key: str, block_tokens: bytes, fingerprint: str, want
+) -> str | None:
+    """None when `record` is the block that `key` names: that key, the layout `fingerprint`,
+    the digest of `block_tokens`, and exactly the parts of `want` (part key -> (shape,
+    dtype)), each a numpy array of that shape and dtype; else what it is instead. Whatever
+    the store handed back, a record that is anything else (or that breaks these checks by
+    raising) is not that block."""
     try:
-        if record.key != key or record.layout != fingerprint:
-            return False
+        if record.key != key:
+            return f"names key {record.key!r:.80}"
+        if record.layout != fingerprint:
+            return f"has layout {record.layout!r:.80}, expected {fingerprint!r}"
         if record.tokens != _hashing.block_digest(block_tokens):
-            return False
+            return "holds other token ids than its key names"
         parts = record.parts
         if not isinstance(parts, Mapping) or parts.keys() != want.keys():
-            return False
+            got = sorted(parts) if isinstance(parts, Mapping) else type(parts).__name__
+            return f"has parts {got!r:.200}, expected {sorted(want)}"
         for name, (shape, dtype) in want.items():
             arr = parts[name]
             if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != dtype:
-                return False
-        return True
-    except Exception:
-        return False
+                shape_got, dtype_got = getattr(arr, "shape", ""), getattr(arr, "dtype", "")
+                got = f"{type(arr).__name__} {shape_got} {dtype_got}"
+                return f"has part {name!r} {got}, expected ndarray {shape} {np.dtype(dtype)}"
+        return None
+    except Exception as err:
+        return f"cannot be checked ({type(err).__name__}: {err})"
 
 
 def is_bool(value) -> bool:

@@ -294,8 +294,10 @@ class DiskStore(ReportingStore):
         except OSError as err:
             self._failed("read", err, call)
             return False
-        if _records.expected_size(head) != size:
-            self._drop_damaged(key, path, call)
+        expected = _records.expected_size(head)
+        if expected != size:
+            why = f"is torn or truncated ({size} bytes, its header says {expected})"
+            self._drop_damaged(key, path, call, why)
             return False
         with self._lock:
             if key in self._index:
@@ -305,16 +307,19 @@ class DiskStore(ReportingStore):
                 self._bytes += size
         return True
 
-    def _forget(self, key: str) -> None:
+    def _forget(self, key: str) -> bool:
+        """Drops `key` from the index; whether it was there."""
         with self._lock:
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes -= size
+        return size is not None
 
-    def _drop_damaged(self, key: str | None, path: str, call: Call) -> None:
+    def _drop_damaged(self, key: str | None, path: str, call: Call, why: str = "") -> None:
         """Removes the damaged name `path` (the file of `key`, or a name of the folder that
-        holds what the store never writes there) and counts it. A file of `key` that stays
-        is never promised or served again (until a `put` replaces it)."""
+        holds what the store never writes there) and counts it; a record's drop is logged and
+        reported (`on_drop`). A file of `key` that stays is never promised or served again
+        (until a `put` replaces it)."""
         self._count("verification_failures")
         if path == self._root:  # the folder itself is never removed
             return
@@ -323,6 +328,7 @@ class DiskStore(ReportingStore):
             return
         self._forget(key)
         self._remove_file(key, path, call)
+        self._dropped([key], "damaged", f"in {path} {why or 'is not a plain file'}")
 
     def _remove_file(self, key: str, path: str, call: Call) -> bool | None:
         """`_remove(path)` for the file of `key`. Should the file stay, the key is no longer
@@ -344,16 +350,17 @@ class DiskStore(ReportingStore):
             data = self._fs.read(path)
             record = _records.decode(data, key)
         except FileNotFoundError:
-            self._forget(key)
+            if self._forget(key):  # gone since this store saw it (another process evicted it)
+                self._dropped([key], "evicted")
             self._count("misses")
             return None
         except IrregularFileError as err:
             self._count("misses")
             self._drop_damaged(key, err.filename, call)
             return None
-        except _records.CorruptRecordError:
+        except _records.CorruptRecordError as err:
             self._count("misses")
-            self._drop_damaged(key, path, call)
+            self._drop_damaged(key, path, call, f"failed verification ({err})")
             return None
         except OSError as err:
             self._count("misses")
@@ -376,6 +383,7 @@ class DiskStore(ReportingStore):
         self._forget(key)
         if self._remove_file(key, path, call):
             self._count("discarded")
+            self._dropped([key], "discarded")
             return True
         return False
 
@@ -451,6 +459,7 @@ class DiskStore(ReportingStore):
             # it first, and a file that stays (a failed removal) is found again by a rescan.
             if self._remove(self._file(victim), call):
                 self._count("evictions")
+            self._dropped([victim], "evicted")
 
 
 def _folder_arg(path) -> str:

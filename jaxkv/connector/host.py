@@ -206,6 +206,7 @@ class HostStore(BlockStore):
                 return False
             self._remove(key)
             self._counters["discarded"] += 1
+            self._dropped([key], "discarded")
             return True
 
     def put(self, record: BlockRecord) -> bool:
@@ -397,17 +398,16 @@ class HostStore(BlockStore):
     def _evict_oldest(self) -> _Chunk | None:
         """Evicts the least recently used record; returns the chunk whose bytes it freed."""
         self._counters["evictions"] += 1
-        return self._remove(None)
+        key = next(iter(self._records))
+        freed = self._remove(key)
+        self._dropped([key], "evicted")
+        return freed
 
-    def _remove(self, key: str | None) -> _Chunk | None:
-        """Removes the record of `key` (`None`: the least recently used one), which must be
-        held. Its bytes are freed now, or once the last reader holding it lets go; a
-        segment's bytes once its last record leaves. Returns the chunk whose bytes were freed
-        now, if any."""
-        if key is None:
-            _, (record, owner, size) = self._records.popitem(last=False)
-        else:
-            record, owner, size = self._records.pop(key)
+    def _remove(self, key: str) -> _Chunk | None:
+        """Removes the record of `key`, which must be held. Its bytes are freed now, or once
+        the last reader holding it lets go; a segment's bytes once its last record leaves.
+        Returns the chunk whose bytes were freed now, if any."""
+        record, owner, size = self._records.pop(key)
         self._bytes -= size
         del record  # the store's reference: `unheld` then sees only the readers'
         if isinstance(owner, Segment):

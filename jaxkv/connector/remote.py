@@ -347,18 +347,21 @@ class RedisStore(BlockStore):
     def _is_wrong_type(self, reply) -> bool:
         return isinstance(reply, self._error_reply) and str(reply).startswith("WRONGTYPE")
 
-    def _remove_damaged(self, names: list[str]) -> None:
+    def _remove_damaged(self, damaged: list[tuple[str, str]]) -> None:
         """Deletes values found damaged or of another type, counted in
         `verification_failures`: whoever stores the block next writes a good record, which
         `SET NX` would never do over them. One more round trip, only when any was found."""
-        if not names:
+        if not damaged:
             return
+        names = [name for name, _ in damaged]
         self._count("verification_failures", len(names))
         replies = self._call(
             [("DEL", *names)], self._each(lambda r: _count_reply(r, at_most=len(names)))
         )
         if replies is not None and isinstance(replies[0], self._error_reply):
             self._failed_command(replies[0])
+        for name, why in damaged:
+            self._dropped([name[len(self.key_prefix) :]], "damaged", why)
 
     # ---- BlockStore ------------------------------------------------------------------------
 
@@ -389,7 +392,7 @@ class RedisStore(BlockStore):
         damaged, failure = [], None
         for i, (name, length) in enumerate(zip(names, lengths)):
             if self._is_wrong_type(length):
-                damaged.append(name)
+                damaged.append((name, "holds another type than a string"))
             elif isinstance(length, self._error_reply):
                 failure = failure or length
             else:
@@ -417,7 +420,7 @@ class RedisStore(BlockStore):
         damaged, failure = [], None
         for i, (key, name, value) in enumerate(zip(keys, names, values)):
             if self._is_wrong_type(value):
-                damaged.append(name)
+                damaged.append((name, "holds another type than a string"))
             elif isinstance(value, self._error_reply):
                 failure = failure or value
             elif value is not None:
@@ -426,7 +429,7 @@ class RedisStore(BlockStore):
                 except Exception as err:  # any bytes may come: none that fail are served
                     if not _server_fault(err):
                         raise
-                    damaged.append(name)
+                    damaged.append((name, f"failed verification ({err})"))
             record = records[i]
             if record is None:
                 self._count("misses")
@@ -480,6 +483,7 @@ class RedisStore(BlockStore):
             return False
         if replies[0]:
             self._count("discarded")
+            self._dropped([key], "discarded")
             return True
         return False
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxkv._checks import bool_arg
 from jaxkv.connector._records import BlockRecord
+from jaxkv.errors import StoreReplyError
 
 # Library logging: silent unless the application configures the "jaxkv" logger.
 log = logging.getLogger("jaxkv")
@@ -129,6 +130,33 @@ class FailureLog:
             log.warning("%s: %s failed (%d so far): %s", self.owner, kind, n, err)
 
 
+#: `BlockStore.on_drop` listeners: called with `(key, reason)`.
+DropListener = Callable[[str, str], None]
+
+# Keys a DamageLog remembers having logged (beyond them the oldest is logged again).
+_LOGGED_KEYS = 4096
+
+
+class DamageLog:
+    """Logs each damaged or refused record at WARNING, once per key (a bounded memory of the
+    keys logged): the key, who found it (`owner`), what failed and what was done, so that a
+    server's log says why a block was recomputed."""
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self._logged: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, key: str, why: str, done: str) -> None:
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged[key] = None
+            if len(self._logged) > _LOGGED_KEYS:
+                self._logged.popitem(last=False)
+        log.warning("%s: the record of key %s %s; %s", self.owner, key, why, done)
+
+
 _COUNTERS = (
     "hits",
     "misses",
@@ -173,6 +201,59 @@ class BlockStore(abc.ABC):
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._bytes = 0
         self._failures = FailureLog(type(self).__name__)
+        self._drop_listeners: tuple[DropListener, ...] = ()
+        self._damage_log = DamageLog(type(self).__name__)
+
+    # ---- drops ---------------------------------------------------------------------------
+
+    def on_drop(self, listener: DropListener) -> Callable[[], None]:
+        """Calls `listener(key, reason)` whenever this store stops holding a record it held:
+        `reason` is `"evicted"` (removed to stay within the capacity), `"damaged"` (found
+        failing its checks on a read, and removed) or `"discarded"` (removed by `discard`).
+
+        A cache of "what the store holds" (the sglang-jax tier's memory of the keys it wrote)
+        forgets a key here, so that the next write of the block stores it again. Listeners
+        run on the thread that dropped the record, possibly under the store's lock: they must
+        be quick and must not call the store. A listener that raises is logged and ignored.
+        Only drops this store makes are reported: a record another process removed, or a
+        Redis server evicted on its own, is seen by whoever next reads it (a miss).
+
+        Args:
+            listener: a callable taking `(key, reason)`.
+
+        Returns:
+            A callable that removes the listener (calling it twice is harmless).
+
+        Raises:
+            TypeError: a `listener` that is not callable.
+        """
+        if not callable(listener):
+            raise TypeError(f"listener: expected a callable, got {type(listener).__name__}")
+        with self._lock:
+            self._drop_listeners += (listener,)
+
+        def remove() -> None:
+            with self._lock:
+                self._drop_listeners = tuple(f for f in self._drop_listeners if f is not listener)
+
+        return remove
+
+    def _dropped(self, keys: Sequence[str], reason: str, detail: str = "") -> None:
+        """Reports records this store no longer holds to its `on_drop` listeners; a damaged
+        record is also logged (once per key) at WARNING with `detail` saying what failed."""
+        if reason == "damaged":
+            for key in keys:
+                self._damage_log.note(key, detail or "failed its checks", "removed")
+        self._tell_drop_listeners(keys, reason)
+
+    def _tell_drop_listeners(self, keys: Sequence[str], reason: str) -> None:
+        listeners = self._drop_listeners  # one read: a listener added meanwhile waits
+        for listener in listeners:
+            for key in keys:
+                try:
+                    listener(key, reason)
+                except Exception as err:
+                    self._failures.note("drop listener", err)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -384,7 +465,7 @@ class BlockStore(abc.ABC):
 
         Raises:
             OSError: as `put`, only when strict. What an error raised part way leaves
-                stored, only `put_many_result` can report.
+                stored, only `put_many_result` can report (it puts record by record).
         """
         return [self.put(record) for record in records]
 
@@ -426,8 +507,14 @@ class BlockStore(abc.ABC):
     def put_many_result(
         self, records: Sequence[BlockRecord], *, strict: bool
     ) -> StoreResult[list[bool]]:
-        """`put_many`, with its failures reported (see `StoreResult`): a strict write that
-        stops part way still says which records it stored.
+        """`put_many`, with its failures reported (see `StoreResult`): a write that fails part
+        way still says which records it stored.
+
+        This default puts record by record: a `put` that raises is that record's failure
+        (counted in `io_errors` and logged; an exception other than an `OSError` is reported
+        as a `StoreReplyError` naming it), never the records' before it, and a lenient call
+        goes on with the next record. A store that overrides `put_many` (one batch of its
+        own) is called through it instead: an exception it raises ends the call.
 
         Args:
             records: as `put_many`.
@@ -436,7 +523,23 @@ class BlockStore(abc.ABC):
         Returns:
             The answers of `put_many`, and the failures met.
         """
-        return StoreResult(self.put_many(records))
+        if type(self).put_many is not BlockStore.put_many:
+            return StoreResult(self.put_many(records))
+
+        def put(record: BlockRecord, call: Call):
+            try:
+                return self.put(record)
+            except OSError as err:
+                failure = err
+            except Exception as err:
+                failure = StoreReplyError(
+                    f"{type(self).__name__}.put raised {type(err).__name__}: {err}"
+                )
+                failure.__cause__ = err
+            self._failed("write", failure, call)
+            return False
+
+        return each(put, records, False, strict=strict)
 
     def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]:
         """`discard`, with its failures reported (see `StoreResult`).

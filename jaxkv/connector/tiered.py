@@ -25,13 +25,14 @@ class TieredStore(ReportingStore):
     """Several stores as one, fastest first: reads try tiers in order and promote hits into
     the faster tiers; writes go to every tier (write-through).
 
-    A `put` is `True` when any tier newly stored the record; `discard` removes the record
-    from every tier. `stats()` has the stack's own counters (hits and misses of the stack as
-    a whole; `promotions`: copies a faster tier newly stored of records a slower tier
-    answered, so a record promoted into two tiers counts twice and one a full tier refused
-    counts nothing; `discarded`: `discard` calls that removed the record from some tier), the
-    failures of all tiers summed (`undiscarded` too), and under `"tiers"` each tier's
-    `stats()`, in order. `blocks` is the most any tier holds, `bytes` the sum over tiers.
+    A `put` is `True` when any tier newly stored the record; `discard` removes the record from
+    every tier; `on_drop` listeners hear of every record any tier drops. `stats()` has the
+    stack's own counters (hits and misses of the stack as a whole; `promotions`: copies a faster
+    tier newly stored of records a slower tier answered, so a record promoted into two tiers
+    counts twice and one a full tier refused counts nothing; `discarded`: `discard` calls that
+    removed the record from some tier), the failures of all tiers summed (`undiscarded` too),
+    and under `"tiers"` each tier's `stats()`, in order. `blocks` is the most any tier holds,
+    `bytes` the sum over tiers.
 
     Results: the stack combines its tiers' `StoreResult`s. Each tier is called with the
     stack call's strictness, and the failures they report are the stack's; an `OSError` a
@@ -69,6 +70,13 @@ class TieredStore(ReportingStore):
                 raise TypeError(f"stores[{i}]: expected a BlockStore, got {type(store).__name__}")
         self.tiers = tuple(stores)
         self._counters["promotions"] = 0
+        for tier in self.tiers:
+            tier.on_drop(self._tier_dropped)
+
+    def _tier_dropped(self, key: str, reason: str) -> None:
+        # A tier's drop is the stack's (another tier may still hold the record: a listener
+        # that forgets the key only asks the stack again). The tier logged a damaged one.
+        self._tell_drop_listeners([key], reason)
 
     def __len__(self) -> int:
         return max(len(tier) for tier in self.tiers)

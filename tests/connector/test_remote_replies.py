@@ -207,7 +207,11 @@ def test_ok_to_everything_is_read_as_failures_and_a_damaged_value(fake, caplog):
     assert stats["io_errors"] == 6
     assert stats["blocks"] == stats["bytes"] == 0
     logged = [r.getMessage() for r in caplog.records if r.name == "jaxkv"]
-    assert logged and all(m.startswith("RedisStore: server reply failed") for m in logged)
+    damaged = [m for m in logged if m.startswith(f"RedisStore: the record of key {key} ")]
+    assert len(damaged) == 1 and "failed verification" in damaged[0], logged
+    assert logged and all(
+        m.startswith("RedisStore: server reply failed") for m in logged if m not in damaged
+    )
     _heals(store, fake)
 
 
