@@ -14,6 +14,7 @@ these tests skip, naming what is missing, except under CI (`CI` set), where they
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -454,3 +455,23 @@ def test_records_in_redis_are_the_disk_format(server):
     record = _records.decode(raw, key)
     assert record.layout == conn.fingerprint
     assert raw == _records.encode(store.get(key))
+
+
+def test_damaged_and_discarded_values_are_reported_to_drop_listeners(server, caplog):
+    import redis
+
+    store = _store(server)
+    drops: list[tuple[str, str]] = []
+    store.on_drop(lambda key, reason: drops.append((key, reason)))
+    pool = _mha(15)
+    conn = KVConnector(pool, store)
+    tokens = np.arange(2 * BS) + 900
+    keys = conn.block_hashes(tokens)
+    assert conn.store(pool, tokens, np.arange(2 * BS)) == 2
+    redis.Redis.from_url(server.url).set(store.key_prefix + keys[0], b"not a record")
+    with caplog.at_level(logging.WARNING, logger="jaxkv"):
+        assert store.get(keys[0]) is None
+    assert drops == [(keys[0], "damaged")]
+    assert f"RedisStore: the record of key {keys[0]} failed verification" in caplog.text
+    assert store.discard(keys[1])
+    assert drops[-1] == (keys[1], "discarded")
