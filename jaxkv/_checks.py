@@ -65,3 +65,25 @@ def int_vector(name: str, values, what: str = "ints") -> np.ndarray:
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integer {what}, got dtype {arr.dtype}")
     return arr
+
+
+def token_array(token_ids, name: str = "token_ids") -> np.ndarray:
+    """Token ids as a 1-D native-order uint32 array, by value: the one conversion the radix
+    cache, the connector's keys and the serving integrations share, so that a prompt is the
+    same prefix to all of them whatever its container (a list, numpy or jax array), integer
+    dtype or byte order. Ids outside `[0, 2**32)` are refused (`ValueError`), as are
+    non-integer ones (`TypeError`).
+
+    Native-order 4-byte ids are viewed, not copied (int32 ids in range are their uint32
+    bits); any other dtype or byte order (`>i4`, int64, uint16...) is converted by value.
+    """
+    arr = int_vector(name, token_ids, "token ids")
+    # Only the bounds a dtype can break are read: an unsigned dtype has no negatives, one of
+    # 4 bytes or fewer nothing at 2**32 or above.
+    if arr.size and (
+        (arr.dtype.kind == "i" and arr.min() < 0) or (arr.dtype.itemsize > 4 and arr.max() >= 2**32)
+    ):
+        raise ValueError(f"{name}: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
+    if arr.dtype.itemsize == 4 and arr.dtype.isnative:
+        return arr.view(np.uint32)
+    return arr.astype(np.uint32)

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxkv._checks import int_arg, int_vector, is_int, text_arg
+from jaxkv._checks import int_arg, int_vector, is_int, text_arg, token_array
 from jaxkv.allocators import PagedAllocator, TokenAllocator
 
 __all__ = ["RadixCache", "PrefixMatch"]
@@ -138,18 +138,7 @@ def _salt_key(salt) -> bytes | None:
     raise TypeError(f"salt: expected a str, bytes or None, got {type(salt).__name__}")
 
 
-def _tokens(token_ids) -> np.ndarray:
-    """Token ids as uint32 (the connector's key range), checked."""
-    arr = int_vector("token_ids", token_ids, "token ids")
-    # Only the bounds a dtype can break are read: an unsigned dtype has no negatives, one of
-    # 4 bytes or fewer nothing at 2**32 or above.
-    if arr.size and (
-        (arr.dtype.kind == "i" and arr.min() < 0) or (arr.dtype.itemsize > 4 and arr.max() >= 2**32)
-    ):
-        raise ValueError(f"token_ids: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
-    if arr.dtype.itemsize == 4:  # int32 ids in range are their uint32 bits: no copy
-        return arr.view(np.uint32)
-    return arr.astype(np.uint32)
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 def _matched(edge: np.ndarray, tokens: np.ndarray, page: int) -> int:
@@ -257,7 +246,7 @@ class RadixCache:
     # ---- walking --------------------------------------------------------------------------
 
     def _aligned(self, token_ids) -> np.ndarray:
-        tokens = _tokens(token_ids)
+        tokens = token_array(token_ids)
         return tokens[: tokens.size // self.page_size * self.page_size]
 
     def _child_key(self, parent: _Node, page: bytes, salt):
@@ -439,7 +428,7 @@ class RadixCache:
             OSError: the store failed, only when the connector is strict (nothing is cached
                 then).
         """
-        tokens = _tokens(token_ids)
+        tokens = token_array(token_ids)
         slot_arr = int_vector("slots", slots, "slots")
         if slot_arr.size != tokens.size:
             raise ValueError(
@@ -447,7 +436,7 @@ class RadixCache:
                 f"{slot_arr.shape}"
             )
         n = tokens.size // self.page_size * self.page_size
-        tokens, slot_arr = tokens[:n], slot_arr[:n].astype(np.int64, copy=False)
+        tokens, slot_arr = tokens[:n], slot_arr[:n]
         salt = _salt_key(salt)
         through = self.connector is not None and self.write_policy == "write_through"
         if through and pool is None:
@@ -457,6 +446,9 @@ class RadixCache:
             )
         path, cut, matched = self._walk(tokens, salt)
         new = slot_arr[matched:]
+        if new.dtype.kind == "u" and new.size and new.max() > _INT64_MAX:
+            self._diagnose_new_slots(new)  # names the value given, before a cast wraps it
+        new = new.astype(np.int64, copy=False)
         pages = self._check_new_slots(new)
         if through and n:
             held = self._path_slots(path, cut)

@@ -902,3 +902,13 @@ def test_token_ids_are_checked_in_every_integer_dtype(tokens, ok):
     else:
         with pytest.raises(ValueError, match=r"token_ids: expected ids in \[0, 2\*\*32\)"):
             cache.match_prefix(tokens)
+
+
+def test_a_uint64_slot_past_int64_is_reported_as_given():
+    alloc = TokenAllocator(8)
+    cache = RadixCache(alloc)
+    slots = np.array([1, 2**63 + 5], np.uint64)
+    with pytest.raises(ValueError, match=f"got {2**63 + 5}$"):
+        cache.insert([1, 2], slots)
+    assert cache.total_size() == 0
+    assert cache.insert([1, 2], np.array([1, 2], np.uint64)) == 0

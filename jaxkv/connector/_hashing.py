@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import hashlib
 
-from jaxkv._checks import int_vector, text_arg
+from jaxkv._checks import text_arg, token_array
 
 _DOMAIN = b"jaxkv-block-v1"
 
 
 def token_bytes(token_ids) -> bytes:
-    """Token ids as 4-byte little-endian words; rejects ids that do not fit."""
-    arr = int_vector("token_ids", token_ids, "token ids")
-    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
-        raise ValueError(f"token_ids: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
-    return arr.astype("<u4", copy=False).tobytes()
+    """Token ids (by value, see `token_array`) as 4-byte little-endian words; rejects ids
+    that do not fit."""
+    return token_array(token_ids).astype("<u4", copy=False).tobytes()
 
 
 def root_hash(namespace: str, layout_fingerprint: str, salt: str | bytes | None) -> bytes:
