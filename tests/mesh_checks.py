@@ -193,10 +193,15 @@ def check_degrees(rng) -> None:
     with KVConnector(tp8, store) as conn:  # the background writer takes shard records too
         assert conn.store_async(tp8, tokens, slots).result() == 2  # blocks, not records
         assert conn.stats()["records_stored"] == 16  # 2 blocks x 8 shards
+        keys = conn.block_keys(tokens)  # the keys stored: 8 per block
+        assert [len(k) for k in keys] == [8, 8] and len(store) == 16
+        assert all(store.contains(k) for block in keys for k in block)
+        tp8_fingerprint = conn.fingerprint
     devices = np.array(jax.devices()[:4])
     tp4 = make("mha", NamedSharding(jax.sharding.Mesh(devices, ("tp",)), HEADS))
     for other in (tp4, make("mha", None)):
         conn = KVConnector(other, store)
+        assert conn.fingerprint != tp8_fingerprint  # no blocks shared
         assert conn.lookup(tokens) == 0
         before = bits(other)
         other, n = conn.load(other, tokens, slots)

@@ -136,6 +136,15 @@ def test_blocks_are_keyed_by_the_shard_coordinates(rng):
     one = sp.build(dataclasses.replace(cfg, name="tp1", tp=1))
     tp1 = KVConnector(one, store, block_size=cfg.page_size)
     assert tp1.lookup(tokens) == 0
+    # The attributes describe the keys stored: unequal fingerprints, as the blocks are not
+    # shared; each block under one key per shard, the keys the store holds.
+    assert tp2.fingerprint != tp1.fingerprint
+    keys = tp2.block_keys(tokens)
+    assert len(keys) == len(src) // cfg.page_size and {len(k) for k in keys} == {2}
+    assert len(store) == 2 * len(keys)
+    assert all(store.contains(k) for block in keys for k in block)
+    assert not any(store.contains(h) for h in tp2.block_hashes(tokens))
+    assert tp1.block_keys(tokens) == [[h] for h in tp1.block_hashes(tokens)]
 
 
 def test_data_parallel_pages_are_refused():

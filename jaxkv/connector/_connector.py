@@ -17,6 +17,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -125,6 +127,15 @@ class KVConnector:
     replica 0, and loaded into every replica this process holds. A load copies the prefix
     every shard of this process holds; across processes, agree on one length first (gather
     each process's `lookup` and take `min_block_count`), then load that many tokens.
+    `block_keys` lists a block's per-shard keys.
+
+    Attributes:
+        fingerprint: the layout of the keys blocks are stored under (hex digest, with the
+            block size): two connectors with equal fingerprints (and namespaces) share
+            blocks. For a pool on one device it is its layout's; for a sharded pool it covers
+            every shard's layout, so a pool spread over 8 devices and the same model on one
+            device differ, as their keys do.
+        layout: the pool's layout (whole rows, whatever the sharding).
 
     Raises:
         UnsupportedKVCacheError: `pool` has none of the accepted buffer attributes, buffers
@@ -190,8 +201,15 @@ class KVConnector:
         self.block_size = int(block_size)
         self.namespace = text_arg("namespace", namespace)
         self.layout = dataclasses.replace(view.layout, shard=text_arg("shard", shard))
-        self.fingerprint = self.layout.fingerprint(self.block_size)
+        # The pool's own layout (what every pool handed to a call must match), and the layout
+        # of the keys its blocks are stored under: the same for a pool on one device; on a
+        # sharded pool, the shards' layouts together (`block_keys`).
+        self._pool_fingerprint = self.layout.fingerprint(self.block_size)
         self._shards = _shards.plan(view, self.layout, self.block_size)
+        shard_prints = self._fingerprints()
+        self.fingerprint = shard_prints[0]  # whole rows on one device or several
+        if len(shard_prints) > 1:
+            self.fingerprint = hashlib.sha256(json.dumps(shard_prints).encode()).hexdigest()
         if self._shards is not None:  # every shard is placed alike: the first one decides
             view = _shards.shard_views(self._shards, view)[0][1][0]
         #: The `TransferPath` every store and load of this connector goes through.
@@ -252,7 +270,9 @@ class KVConnector:
         self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
     ) -> list[str]:
         """Hex keys of every full block of `token_ids`, chained: block i's key covers all
-        tokens up to its end, under this connector's namespace, layout and `salt`.
+        tokens up to its end, under this connector's namespace, `fingerprint` and `salt`.
+        For a pool on one device these are the keys its blocks are stored under; a sharded
+        pool stores each block under one key per shard (`block_keys`).
 
         Args:
             token_ids: 1-D integer token ids in `[0, 2**32)`.
@@ -268,6 +288,36 @@ class KVConnector:
             ValueError: `token_ids` that are not 1-D, or an id outside `[0, 2**32)`.
         """
         return [d.hex() for d in self._chain(_hashing.token_bytes(token_ids), salt)]
+
+    def block_keys(
+        self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
+    ) -> list[list[str]]:
+        """The keys each full block of `token_ids` is stored under: one key per block for a
+        pool on one device (its `block_hashes` entry), one per shard for a pool spread over
+        devices (the shards this process moves, in a fixed order), each a record of its own
+        in the store.
+
+        Args:
+            token_ids, salt: as `block_hashes`.
+
+        Returns:
+            Per full block, the list of its keys (64 hex digits each).
+
+        Raises:
+            TypeError, ValueError: as `block_hashes`.
+
+        Example:
+            >>> import numpy as np, jaxkv
+            >>> from jaxkv.connector import HostStore, KVConnector
+            >>> pool = jaxkv.MHAPool.create(size=64, head_num=1, head_dim=2, layer_num=1)
+            >>> conn = KVConnector(pool, HostStore(1 << 20), block_size=4)
+            >>> keys = conn.block_keys(np.arange(10))
+            >>> len(keys), [len(k) for k in keys], keys[0][0] == conn.block_hashes(np.arange(10))[0]
+            (2, [1, 1], True)
+        """
+        data = _hashing.token_bytes(token_ids)
+        per_layout = [self._chain(data, salt, f) for f in self._fingerprints()]
+        return [[d.hex() for d in block] for block in zip(*per_layout)]
 
     def lookup(
         self,
@@ -322,7 +372,7 @@ class KVConnector:
     def _fingerprints(self) -> list[str]:
         """The layouts this process's blocks are keyed under: the pool's, or one per shard."""
         if self._shards is None:
-            return [self.fingerprint]
+            return [self._pool_fingerprint]
         return [g.fingerprint for g in self._shards.groups]
 
     def _held(self, keys: list[str], *, stop_at_miss: bool = False) -> list[bool]:
@@ -406,7 +456,7 @@ class KVConnector:
     def _view(self, pool) -> PoolView:
         view = view_of(pool, self._declared)
         layout = dataclasses.replace(view.layout, shard=self.layout.shard)
-        if layout.fingerprint(self.block_size) != self.fingerprint:
+        if layout.fingerprint(self.block_size) != self._pool_fingerprint:
             diffs = "; ".join(self.layout.differences(layout)) or "another fingerprint"
             raise ValueError(
                 f"pool: expected the layout this connector was made for, got one that differs "
@@ -471,7 +521,7 @@ class KVConnector:
         data = _hashing.token_bytes(token_ids)
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
         if self._shards is None:
-            return self._snapshot_view(view, self.fingerprint, data, slots, salt)
+            return self._snapshot_view(view, self._pool_fingerprint, data, slots, salt)
         records, blocks, staging = [], [], []
         for group, replicas in _shards.shard_views(self._shards, view):
             if group.stores:
@@ -696,7 +746,7 @@ class KVConnector:
         self._count("loads")
         if self._shards is not None:
             return self._load_shards(view, data, slots, salt, first)
-        records, n_blocks = self._fetch(self.layout, self.fingerprint, data, salt, first)
+        records, n_blocks = self._fetch(self.layout, self._pool_fingerprint, data, salt, first)
         self._count("hits", len(records))
         self._count("misses", n_blocks - len(records))
         if not records:
