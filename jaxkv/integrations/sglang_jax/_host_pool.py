@@ -2,8 +2,10 @@
 
 HiCache speaks page ids only: the radix cache allocates host slots (`alloc`, `free`), its
 controller moves device pages into them and back, and no array crosses that boundary. Each
-slot holds one device page over all layers. The moves are two-phase, split by which thread may
-touch the device pool's buffers (the forward donates them every step):
+slot holds one device page over all layers, of every buffer family the device pool holds (the
+families jaxkv's connector declares for it: `kv_buffer`, and a DSA pool's
+`indexer_key_buffer`), so a page never comes back half old. The moves are two-phase, split by
+which thread may touch the device pool's buffers (the forward donates them every step):
 
     backup:  stage_backup (gather, on the thread that owns the buffers)
              -> flush_backup (into host memory, on the controller's worker)
@@ -38,7 +40,8 @@ import jax
 import numpy as np
 
 from jaxkv._checks import int_arg, int_vector
-from jaxkv.integrations.sglang_jax._pages_on_device import PageMover
+from jaxkv.connector import PoolLayout
+from jaxkv.integrations.sglang_jax._pages_on_device import movers_for
 from jaxkv.integrations.sglang_jax._pages_on_host import Batch, host_pages_for
 
 logger = logging.getLogger(__name__)
@@ -97,22 +100,25 @@ class HiCacheHostPool:
     `HostKVPool` ABC for a base (its `copy_from_device`, for prefill-decode handoff, raises
     `NotImplementedError`, as in sglang-jax's own pool).
 
-    `pool_size` slots of one device page each (all layers). On CPU devices the pages live in a
-    host arena allocated and touched at construction, and move as numpy copies of their bits
-    between it and the device buffers (host memory too). On accelerators they live in the
-    pinned host arrays their backups landed in, and move as compiled gathers and scatters of
-    whole pages, one call over all layers per power-of-two chunk of the page count, with the
-    device pool's own shardings. `precompile_transfers` compiles every call ahead.
+    `pool_size` slots of one device page each (all layers, every buffer family: a DSA pool's
+    indexer keys move with its KV). On CPU devices the pages live in a host arena allocated
+    and touched at construction, and move as numpy copies of their bits between it and the
+    device buffers (host memory too). On accelerators they live in the pinned host arrays
+    their backups landed in, and move as compiled gathers and scatters of whole pages, one
+    call over all layers of a family per power-of-two chunk of the page count, with the device
+    pool's own shardings. `precompile_transfers` compiles every call ahead.
 
     The slots are page ids: `alloc`/`free` (batched) and `reserve`/`release` (one) hand them
     out and take them back, `inc_lock_ref`/`dec_lock_ref` pin them. Victims are chosen by the
     radix cache, never here: a full pool answers None.
 
     Args:
-        device_pool: sglang-jax's `MHATokenToKVPool` or `MLATokenToKVPool` (anything with
-            `kv_buffer`, a list of `layer_num` per-layer arrays whose axis 0 is the page, all
-            of one shape, dtype and `NamedSharding`). Its buffers are read at each transfer
-            and replaced (donated) by each load.
+        device_pool: sglang-jax's `MHATokenToKVPool` or `MLATokenToKVPool`, whose buffer
+            families are the ones `jaxkv.connector.PoolLayout.declared_for` lists; any other
+            object moves its `kv_buffer` alone. A family is a list of per-layer arrays whose
+            axis 0 is the page (`layer_num` of them in `kv_buffer`), all of one shape, dtype
+            and `NamedSharding`. Its buffers are read at each transfer and replaced (donated)
+            by each load.
         pool_size: host slots, in pages (> 0).
         page_size: tokens a page, as the device pool's `page_size`.
         layer_num: as the device pool's: one buffer a layer.
@@ -124,9 +130,11 @@ class HiCacheHostPool:
 
     Raises:
         ValueError: `pool_size` not a positive int; `page_size`, `layer_num`, `mesh` or
-            `partition_spec` not those of the device pool; buffers of different shapes,
-            dtypes or shardings; buffers on accelerators without pinned host memory.
+            `partition_spec` not those of the device pool; buffers of a family of different
+            shapes, dtypes or shardings; families of different page counts; buffers on
+            accelerators without pinned host memory.
         TypeError: buffers not on a `NamedSharding`.
+        UnsupportedKVCacheError: sglang-jax's pool with buffers unlike its attributes.
     """
 
     def __init__(
@@ -143,30 +151,19 @@ class HiCacheHostPool:
         pool_name: str = "hicache",
     ) -> None:
         pool_size = int_arg("pool_size", pool_size)
-        buffers = list(device_pool.kv_buffer)
+        declared = PoolLayout.declared_for(device_pool)
+        self._families = [b.attr for b in declared.buffers] if declared else ["kv_buffer"]
+        self._movers = movers = movers_for(device_pool, self._families)
+        mover = movers[0]  # the KV buffers: they count the layers and set the sharding
         _check_same(
-            "layer_num", int_arg("layer_num", layer_num), "layer count", len(buffers), device_pool
+            "layer_num", int_arg("layer_num", layer_num), "layer count", mover.layers, device_pool
         )
         own_page_size = getattr(device_pool, "page_size", page_size)
         _check_same(
             "page_size", int_arg("page_size", page_size), "page_size", own_page_size, device_pool
         )
-        first = buffers[0]
-        for i, buf in enumerate(buffers[1:], 1):
-            if buf.shape != first.shape or buf.dtype != first.dtype:
-                raise ValueError(
-                    f"device_pool.kv_buffer[{i}]: expected {first.dtype}{list(first.shape)} "
-                    f"like kv_buffer[0], got {buf.dtype}{list(buf.shape)}"
-                )
-        self._mover = mover = PageMover(buffers)
-        for i, buf in enumerate(buffers):
-            if not buf.sharding.is_equivalent_to(mover.buffer_sharding, buf.ndim):
-                raise ValueError(
-                    f"device_pool.kv_buffer[{i}]: expected the sharding of kv_buffer[0], "
-                    f"{mover.buffer_sharding}, got {buf.sharding}"
-                )
         given = jax.sharding.NamedSharding(mesh, partition_spec)
-        if not given.is_equivalent_to(mover.buffer_sharding, first.ndim):
+        if not given.is_equivalent_to(mover.buffer_sharding, 1 + len(mover.page_shape)):
             raise ValueError(
                 f"mesh, partition_spec: expected the device pool's sharding "
                 f"{mover.buffer_sharding}, got {given}"
@@ -184,7 +181,14 @@ class HiCacheHostPool:
         self._kv_pool = device_pool
         self._pool_size = pool_size
         self._pool_name = pool_name
-        self._host = host_pages_for(pool_size, mover)
+        self._host = host_pages_for(pool_size, movers)
+        logger.info(
+            "host pool %s: %d pages of %d bytes (%s)",
+            pool_name,
+            pool_size,
+            self.page_nbytes,
+            ", ".join(f"{m.name}: {m.layers} x {m.dtype}{list(m.page_shape)}" for m in movers),
+        )
 
         self._lock = threading.Lock()
         self._slots = [_Slot() for _ in range(pool_size)]
@@ -237,6 +241,11 @@ class HiCacheHostPool:
         """All slots (pages), free or not."""
         return self._pool_size
 
+    @property
+    def page_nbytes(self) -> int:
+        """The host bytes one slot's page holds: every layer of every buffer family."""
+        return sum(mover.page_nbytes for mover in self._movers)
+
     def inc_lock_ref(self, buffer_id: int) -> None:
         """Pins the allocated slot `buffer_id`: `free` refuses it until `dec_lock_ref`."""
         slot = self._id("buffer_id", buffer_id)
@@ -279,7 +288,7 @@ class HiCacheHostPool:
         with self._lock:
             epochs = [self._allocated(slot, "host_buffer_ids").epoch for slot in ids]
         # Returns once the copy is done: the buffers may be donated after this.
-        staged = _rows_of(self._host.gather(self._kv_pool.kv_buffer, pages))
+        staged = _rows_of(self._host.gather(self._buffers(), pages))
         with self._lock:
             for slot, epoch, entry in zip(ids, epochs, staged):
                 if self._current(slot, epoch):
@@ -409,7 +418,7 @@ class HiCacheHostPool:
                         f"must run first (or the slot was freed since)"
                     )
             staged = [self._loads.pop(slot) for slot in ids]
-        buffers = self._kv_pool.kv_buffer
+        buffers = self._buffers()
         for batch, positions, rows in _by_batch(range(len(ids)), staged):
             # Donates the buffers it reads and puts the new ones in their place before any
             # further call (or error) can leave the pool holding donated arrays.
@@ -421,7 +430,7 @@ class HiCacheHostPool:
         the most a transfer can move, min(pool_size, device pages)), so no compilation lands on
         the scheduler while serving. Moves no data and allocates no slot.
         """
-        cap = min(self._pool_size, self._mover.pages)
+        cap = min(self._pool_size, self._movers[0].pages)
         if max_pages is not None:
             cap = min(cap, int_arg("max_pages", max_pages, low=0))
         started = time.perf_counter()
@@ -433,6 +442,11 @@ class HiCacheHostPool:
             cap,
             time.perf_counter() - started,
         )
+
+    def _buffers(self) -> list[list[jax.Array]]:
+        """The device pool's per-layer lists, one per family, as it holds them now (the forward
+        replaces their entries every step; a load replaces them in these lists)."""
+        return [getattr(self._kv_pool, attr) for attr in self._families]
 
     # ---- bookkeeping (callers hold the lock) -------------------------------------------------
 
@@ -514,7 +528,7 @@ class HiCacheHostPool:
 
     def _device_pages(self, name: str, values, *, distinct: bool) -> np.ndarray:
         pages = int_vector(name, values, "device page ids")
-        n = self._mover.pages
+        n = self._movers[0].pages
         bad = pages[(pages < 0) | (pages >= n)]
         if bad.size:
             raise ValueError(

@@ -2,8 +2,11 @@
 
 sglang-jax keeps one buffer per layer whose axis 0 is the page: MHA's fused
 `(pages, page_size, 2H // packing, packing, head_dim)`, MLA's latent
-`(pages, rows, packing, width)`. Their `NamedSharding` spreads pages over the data ranks and
-(MHA) packed heads over the tensor axis. A batch of `c` pages is, per layer, `(c, *page)` with
+`(pages, rows, packing, width)`; a DSA pool adds a family of its own count, its indexer keys
+`(pages, rows, packing, key width)`, one buffer per indexer. Their `NamedSharding` spreads
+pages over the data ranks and (MHA) packed heads over the tensor axis. A `PageMover` moves one
+family; a pool's families (`movers_for`) share the page axis, so a page moves with all of
+them. A batch of `c` pages is, per layer, `(c, *page)` with
 the page axis replicated and the rest of the buffer's spec kept: every device holds whole pages
 of its own share of the heads, so the host side reads and fills each device's part without a
 collective. Batches carry the pages' bits, as unsigned ints of the dtype's width (bfloat16
@@ -28,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -69,17 +73,41 @@ def _part_key(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> PartKe
     return tuple(s.indices(dim)[:2] for s, dim in zip((index or full)[1:], shape[1:]))
 
 
+def movers_for(device_pool: Any, attrs: Sequence[str]) -> list[PageMover]:
+    """A `PageMover` per buffer family of `device_pool`, named by its attribute (`attrs`,
+    the pool's per-layer lists), in order.
+
+    Raises:
+        ValueError: a family empty, its buffers unlike each other (shape, dtype, sharding), or
+            a page axis unlike the first family's.
+        TypeError: buffers not on a `NamedSharding`.
+    """
+    movers: list[PageMover] = []
+    for attr in attrs:
+        mover = PageMover(list(getattr(device_pool, attr)), attr)
+        if movers and mover.pages != movers[0].pages:
+            raise ValueError(
+                f"device_pool.{attr}: expected {movers[0].pages} pages (the page axis of "
+                f"{attrs[0]}), got {mover.pages}"
+            )
+        movers.append(mover)
+    return movers
+
+
 class PageMover:
-    """Compiled whole-page gathers and scatters over one device pool's per-layer buffers.
+    """Compiled whole-page gathers and scatters over one family of a device pool's per-layer
+    buffers (`name`: the pool's attribute holding them).
 
     Built from the buffers as the pool holds them (all one shape, dtype and sharding); later
     calls take the pool's current buffers, which the forward replaces every step with arrays
     of the same type.
 
     Attributes:
+        name: the device pool's attribute holding the family.
         layers: the number of per-layer buffers.
         pages: the length of the page axis (the usable pages plus the padding pages).
         page_shape: one page of one layer, `buffer.shape[1:]`.
+        page_nbytes: one page over all layers, in bytes.
         dtype: the buffers' dtype.
         bits: the unsigned int dtype of its width, the dtype of batches.
         batch_sharding: the sharding of a batch `(c, *page)`: pages replicated, the rest of
@@ -89,19 +117,34 @@ class PageMover:
         shards: each addressable device's share of a buffer (its part, its pages).
     """
 
-    def __init__(self, buffers: Sequence[jax.Array]):
+    def __init__(self, buffers: Sequence[jax.Array], name: str = "kv_buffer"):
+        if not buffers:
+            raise ValueError(f"device_pool.{name}: expected per-layer buffers, got none")
         first = buffers[0]
         sharding = first.sharding
         if not isinstance(sharding, NamedSharding):
             raise TypeError(
-                f"device_pool.kv_buffer[0]: expected an array on a NamedSharding (sglang-jax's "
+                f"device_pool.{name}[0]: expected an array on a NamedSharding (sglang-jax's "
                 f"pools shard over their mesh), got {type(sharding).__name__}"
             )
+        for i, buf in enumerate(buffers[1:], 1):
+            if buf.shape != first.shape or buf.dtype != first.dtype:
+                raise ValueError(
+                    f"device_pool.{name}[{i}]: expected {first.dtype}{list(first.shape)} "
+                    f"like {name}[0], got {buf.dtype}{list(buf.shape)}"
+                )
+            if not buf.sharding.is_equivalent_to(sharding, buf.ndim):
+                raise ValueError(
+                    f"device_pool.{name}[{i}]: expected the sharding of {name}[0], "
+                    f"{sharding}, got {buf.sharding}"
+                )
+        self.name = name
         self.layers = len(buffers)
         self.pages = int(first.shape[0])
         self.page_shape = tuple(int(d) for d in first.shape[1:])
         self.dtype = first.dtype
         self.bits = np.dtype(f"uint{8 * first.dtype.itemsize}")
+        self.page_nbytes = self.layers * math.prod(self.page_shape) * self.bits.itemsize
         self.buffer_sharding = sharding
         spec = tuple(sharding.spec) + (None,) * (first.ndim - len(sharding.spec))
         mesh = sharding.mesh
