@@ -1,7 +1,8 @@
 """jaxkv's `LRUHostKVPool` (HiCache's host tier) against sglang-jax's own device pools.
 
 Round trips on every kind of pool sglang-jax builds (MHA and MLA, bfloat16 and float32, heads
-over a tensor-parallel mesh, pages over two data ranks), in both kinds of host memory; the
+over a tensor-parallel mesh, pages over two data ranks, DSA's indexer keys), in both kinds of
+host memory, and of every buffer family jaxkv's connector stores of a page; the
 races of a slot freed and reused while a transfer of its old owner runs, driven through public
 methods only; the argument checks; and compilation ahead of serving. sglang-jax's own
 HiCache tests run against this class through the `hicache_on_jaxkv` plugin.
@@ -28,6 +29,8 @@ from sgl_jax.srt.mem_cache.host_kv_pool import HostKVPool
 from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sgl_jax.srt.utils.mesh_utils import create_device_mesh
 
+from jaxkv.connector import HostStore, KVConnector, PoolLayout
+from jaxkv.errors import UnsupportedKVCacheError
 from jaxkv.integrations.sglang_jax import LRUHostKVPool, _host_pool, _pages_on_host
 from jaxkv.integrations.sglang_jax._pages_on_device import chunk_sizes
 
@@ -49,6 +52,10 @@ POOLS = [
     ),
     DP2,
 ]
+# DSA (sparse attention) pools: MLA with indexer keys, one buffer per indexer (1 against 2
+# layers; 3 in float32).
+DSA = sp.BY_NAME["mla-bf16-p4-dsa"]
+DSA3 = dataclasses.replace(DSA, name="mla-f32-p4-dsa3", dtype="float32", num_indexer_layers=3)
 
 
 @pytest.fixture
@@ -90,12 +97,20 @@ def build(cfg):
     )
 
 
+def fill(pool, rng, attrs=("kv_buffer", "indexer_key_buffer")) -> None:
+    """Every entry of the buffer families `attrs` of `pool` (those it has) random and nonzero,
+    put in place in the pool's per-layer lists."""
+    for attr in attrs:
+        layers = getattr(pool, attr, None) or []
+        for layer, buf in enumerate(layers):
+            values = sp.random_values(rng, buf.shape, buf.dtype)
+            layers[layer] = jax.device_put(values, buf.sharding)
+
+
 def filled(cfg, rng):
-    """sglang-jax's pool of `cfg`, every entry random (and nonzero)."""
+    """sglang-jax's pool of `cfg`, every entry of every buffer random (and nonzero)."""
     pool = build(cfg)
-    for layer, buf in enumerate(pool.kv_buffer):
-        values = sp.random_values(rng, buf.shape, buf.dtype)
-        pool.kv_buffer[layer] = jax.device_put(values, buf.sharding)
+    fill(pool, rng)
     return pool
 
 
@@ -197,6 +212,107 @@ def test_every_bit_pattern_goes_and_comes_back(cfg, rng, memory):
         want = before[layer].copy()
         want[[7, 8, 9]] = before[layer][[0, 1, 2]]
         np.testing.assert_array_equal(sp.bits(buf), want, err_msg=f"layer {layer}")
+
+
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=c.name) for c in (DSA, DSA3)])
+def test_a_dsa_page_comes_back_with_its_indexer_keys(cfg, rng, memory):
+    # The indexer keys are part of a DSA pool's pages: a page loaded back into device pages
+    # that meanwhile held other tokens keeps none of their indexer keys.
+    kv = filled(cfg, rng)
+    assert len(kv.indexer_key_buffer) == cfg.num_indexer_layers
+    before = sp.pool_bits(kv)
+    pool = host_pool(kv, pool_size=3)
+    slots = [int(s) for s in pool.alloc(3)]
+    pool.copy_into([1, 2, 5], slots)
+    # The device pages reused: every entry, KV and indexer keys, overwritten (negated: its
+    # sign bit, at least, differs).
+    for layers in (kv.kv_buffer, kv.indexer_key_buffer):
+        for layer, buf in enumerate(layers):
+            layers[layer] = jax.device_put(-np.asarray(buf), buf.sharding)
+    reused = sp.pool_bits(kv)
+    for attr, layers in reused.items():
+        for layer, bits in enumerate(layers):
+            assert (bits[[1, 2, 5]] != before[attr][layer][[1, 2, 5]]).all(), f"{attr}[{layer}]"
+    pool.copy_to_device(slots[::-1], [5, 2, 1])
+
+    after = sp.pool_bits(kv)
+    assert sorted(after) == ["indexer_key_buffer", "kv_buffer"]
+    for attr, layers in after.items():
+        for layer, got in enumerate(layers):
+            want = reused[attr][layer].copy()
+            want[[1, 2, 5]] = before[attr][layer][[1, 2, 5]]
+            np.testing.assert_array_equal(got, want, err_msg=f"{attr}[{layer}]")
+
+
+# The sglang-jax pools jaxkv's connector reads: MHA, MLA, MLA with DSA's indexer keys, and
+# MHA with heads over two devices.
+CONNECTOR_POOLS = ("mha-bf16-p4", "mla-bf16-p4-lora512", "mla-bf16-p4-dsa", "mha-bf16-p4-tp2")
+
+
+@pytest.mark.parametrize("name", CONNECTOR_POOLS)
+def test_a_round_trip_restores_everything_the_connector_stores(name, rng, memory):
+    # What the connector stores of a page is what the host pool has to move: every part of
+    # its layout, read from the connector rather than listed here, so a buffer family the
+    # pools gain fails this until the host pool moves it too.
+    cfg = sp.BY_NAME[name]
+    kv = sp.build(cfg)
+    conn = KVConnector(kv, HostStore(1 << 20), block_size=cfg.page_size)
+    parts = conn.layout.parts
+    fill(kv, rng, [part.attr for part in parts])
+    src, dst = [1, 2], [4, 3]
+
+    def token_slots(pages):
+        return [p * cfg.page_size + o for p in pages for o in range(cfg.page_size)]
+
+    stored = conn.export_blocks(kv, token_slots(src))
+    assert sorted(stored) == sorted(part.key for part in parts)
+    before = {part.attr: [sp.bits(b) for b in getattr(kv, part.attr)] for part in parts}
+    pool = host_pool(kv, pool_size=2)
+    slots = [int(s) for s in pool.alloc(2)]
+    pool.copy_into(src, slots)
+    pool.copy_to_device(slots, dst)
+
+    loaded = conn.export_blocks(kv, token_slots(dst))
+    for key, blocks in stored.items():
+        np.testing.assert_array_equal(loaded[key], blocks, err_msg=key)
+    for part in parts:
+        layers = getattr(kv, part.attr)
+        assert len(layers) == conn.layout.part_layers(part)
+        for layer, buf in enumerate(layers):
+            want = before[part.attr][layer].copy()
+            want[dst] = want[src]
+            np.testing.assert_array_equal(sp.bits(buf), want, err_msg=f"{part.attr}[{layer}]")
+
+
+@pytest.mark.parametrize(
+    "cfg", [pytest.param(c, id=c.name) for c in (DSA3, DP2, sp.BY_NAME["mha-bf16-p4-tp2"])]
+)
+def test_host_memory_holds_every_buffer_of_a_page(cfg, rng):
+    # A slot's page is every layer of every buffer family: the arena's rows have room for all
+    # of it (a tensor-parallel page once, in its devices' shares).
+    kv = filled(cfg, rng)
+    buffers = [*kv.kv_buffer, *(getattr(kv, "indexer_key_buffer", None) or [])]
+    per_page = sum(buf.nbytes // buf.shape[0] for buf in buffers)
+    pool = host_pool(kv, pool_size=3)
+    assert pool.page_nbytes == per_page
+    assert pool.total_size() == 3
+    assert pool._host.rows == 3 and pool._host.nbytes == 3 * per_page
+
+
+def test_sglang_jax_pools_declare_their_families_over_data_ranks_too(rng):
+    # The host pool moves the families `PoolLayout.declared_for` lists; a pool over data ranks
+    # is described too (pages move by global id), though the connector refuses it (its token
+    # slots are rank-local).
+    dp2 = filled(DP2, rng)
+    with pytest.raises(UnsupportedKVCacheError, match="dp_size=2"):
+        KVConnector(dp2, HostStore(1 << 20))
+    assert [b.attr for b in PoolLayout.declared_for(dp2).buffers] == ["kv_buffer"]
+    dsa = PoolLayout.declared_for(filled(DSA3, rng))
+    assert [(b.attr, b.own_layers) for b in dsa.buffers] == [
+        ("kv_buffer", False),
+        ("indexer_key_buffer", True),
+    ]
+    assert PoolLayout.declared_for(_Hooked(dp2)) is None  # not sglang-jax's class
 
 
 def _pointers(device_pool):
