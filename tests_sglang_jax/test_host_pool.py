@@ -887,8 +887,12 @@ def test_chunk_sizes_are_the_powers_of_two_of_the_count():
         assert all(s & (s - 1) == 0 for s in sizes)
 
 
-def test_precompiled_transfers_compile_nothing_while_serving(rng, memory, caplog):
-    kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
+@pytest.mark.parametrize(
+    "cfg", [pytest.param(c, id=c.name) for c in (sp.BY_NAME["mha-f32-p4"], DSA)]
+)
+def test_precompiled_transfers_compile_nothing_while_serving(cfg, rng, memory, caplog):
+    # A DSA pool's indexer keys too: every family's calls are compiled ahead.
+    kv = filled(cfg, rng)
     pool = host_pool(kv, pool_size=7)
     pool.precompile_transfers()
     assert pool.available_size() == 7  # it moves no page and holds no slot
