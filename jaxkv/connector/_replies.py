@@ -32,8 +32,8 @@ def block_fault(
             return "holds other token ids than its key names"
         parts = record.parts
         if not isinstance(parts, Mapping) or parts.keys() != want.keys():
-            got = sorted(parts) if isinstance(parts, Mapping) else type(parts).__name__
-            return f"has parts {got!r:.200}, expected {sorted(want)}"
+            names = sorted(parts) if isinstance(parts, Mapping) else type(parts).__name__
+            return f"has parts {names!r:.200}, expected {sorted(want)}"
         for name, (shape, dtype) in want.items():
             arr = parts[name]
             if not isinstance(arr, np.ndarray) or arr.shape != shape or arr.dtype != dtype:
