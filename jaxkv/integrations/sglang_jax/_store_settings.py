@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from jaxkv.connector import BlockStore, DiskStore, HostStore, RedisStore, TieredStore
 
@@ -19,6 +20,22 @@ ENV_PREFETCH_MB = "JAXKV_SGLANG_JAX_PREFETCH_MB"
 ENV_HOST_POOL = "JAXKV_SGLANG_JAX_HOST_POOL"
 WAIT_S = 0.02
 PREFETCH_BYTES = 256 << 20
+# The longest wait per scheduling round: a day. Waits are finite numbers of seconds, and the
+# bound keeps them far inside what `threading.Event.wait` takes (~9.2e9 s).
+MAX_WAIT_S = 86_400.0
+
+
+def _memory_bytes() -> int:
+    # Host memory beyond the machine's can never be held: a larger buffer or store is a typo.
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # a system that does not say: 1 PiB
+        return 1 << 50
+
+
+#: The most host memory a setting may name (`host:BYTES`, `prefetch_bytes`): this machine's
+#: physical memory.
+MEMORY_BYTES = _memory_bytes()
 _SPEC_HELP = (
     "expected a store spec: disk:PATH, host:BYTES, a redis://, rediss:// or unix:// URL, or "
     "several of them comma-separated, fastest first (a TieredStore)"
@@ -30,21 +47,27 @@ _WEIGHTS_ARGS = ("model_path", "revision", "dtype", "quantization", "kv_cache_dt
 # ---- settings -----------------------------------------------------------------------------
 
 
-def _spec_parts(spec: object) -> list[tuple[str, str]]:
-    """`spec` (see `open_store`) as (kind, argument) pairs, checked; opens nothing."""
+def spec_parts(spec: object) -> list[tuple[str, str]]:
+    """`spec` (see `open_store`) as (kind, argument) pairs, checked, with the spaces around
+    each part, its kind and its argument removed; opens nothing."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"store: {_SPEC_HELP}, got {spec!r}")
     parts = []
     for part in (p.strip() for p in spec.split(",")):
-        kind, _, arg = part.partition(":")
+        kind, _, arg = (s.strip() for s in part.partition(":"))
+        where = "" if part == spec else f" in {spec!r}"
         if part.startswith(_REDIS_SCHEMES):
             parts.append(("redis", part))
         elif kind == "disk" and arg:
             parts.append(("disk", arg))
-        elif kind == "host" and arg.isdigit() and int(arg) > 0:
+        elif kind == "host" and arg.isascii() and arg.isdigit() and int(arg) > 0:
+            if int(arg) > MEMORY_BYTES:
+                raise ValueError(
+                    f"store: expected host:BYTES of at most {MEMORY_BYTES} (this machine's "
+                    f"memory), got {part!r}{where}"
+                )
             parts.append(("host", arg))
         else:
-            where = "" if part == spec else f" in {spec!r}"
             raise ValueError(f"store: {_SPEC_HELP}, got {part!r}{where}")
     return parts
 
@@ -54,9 +77,10 @@ def open_store(spec: str) -> BlockStore:
 
     Args:
         spec: `disk:PATH` (a `DiskStore` in that folder), `host:BYTES` (a `HostStore` of that
-            capacity, this process's alone), a `redis://`, `rediss://` or `unix://` URL (a
-            `RedisStore`), or several of them comma-separated, fastest first (a
-            `TieredStore` of them).
+            capacity, this process's alone, ASCII digits, at most `MEMORY_BYTES`), a
+            `redis://`, `rediss://` or `unix://` URL (a `RedisStore`), or several of them
+            comma-separated, fastest first (a `TieredStore` of them). Spaces around a part,
+            its kind and its argument are ignored: `disk: /cache` is the folder `/cache`.
 
     Returns:
         The store, opened.
@@ -75,7 +99,7 @@ def open_store(spec: str) -> BlockStore:
         "host": lambda arg: HostStore(int(arg)),
         "redis": RedisStore,
     }
-    stores = [opened[kind](arg) for kind, arg in _spec_parts(spec)]
+    stores = [opened[kind](arg) for kind, arg in spec_parts(spec)]
     return stores[0] if len(stores) == 1 else TieredStore(*stores)
 
 
@@ -104,16 +128,21 @@ def namespace_of(server_args: object) -> str:
     )
 
 
-def _env_number(env: Mapping[str, str], name: str, default: float, *, positive: bool) -> float:
+def _env_number(
+    env: Mapping[str, str], name: str, default: float, *, positive: bool, most: float, unit: str
+) -> float:
+    """The number in `env[name]` (ASCII: `float`'s syntax), checked to lie in `[0, most]`
+    (`(0, most]` when `positive`); `default` when unset or blank."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
-    expected = "a number above 0" if positive else "a number, 0 or more"
+    low = "above 0" if positive else "from 0"
+    expected = f"a number of {unit} {low} to {most:.15g}"
     try:
-        value = float(raw)
+        value = float(raw) if raw.isascii() else math.nan
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+    if not 0 <= value <= most or (positive and value == 0):  # NaN fails every compare
         raise ValueError(f"{name}: expected {expected}, got {raw!r}")
     return value
 
@@ -127,14 +156,15 @@ class StoreSettings:
             tree (sglang-jax's scheduler).
         namespace: the connector's namespace; None derives it from the server's arguments
             (`namespace_of`).
-        wait_s: the most one scheduling round waits for store lookups, in seconds (>= 0).
-        prefetch_bytes: host memory for blocks read ahead from the store (> 0).
+        wait_s: the most one scheduling round waits for store lookups, in seconds, from 0
+            to `MAX_WAIT_S` (a day).
+        prefetch_bytes: host memory for blocks read ahead from the store, an int from 1 to
+            `MEMORY_BYTES` (this machine's memory).
         host_pool: also put HiCache's host tier (L2) on jaxkv's host memory: `install` makes
             sglang-jax's `init_hicache` build `jaxkv.integrations.sglang_jax.LRUHostKVPool`.
 
     Raises:
-        ValueError: a malformed `store` spec, a negative or non-finite `wait_s`, or a
-            `prefetch_bytes` that is not a positive int.
+        ValueError: a malformed `store` spec, a `wait_s` or `prefetch_bytes` out of range.
         TypeError: a `namespace` that is neither a str nor None.
     """
 
@@ -147,7 +177,7 @@ class StoreSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.host_pool, bool):
             raise TypeError(f"host_pool: expected a bool, got {type(self.host_pool).__name__}")
-        _spec_parts(self.store)
+        spec_parts(self.store)
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise TypeError(
                 f"namespace: expected a str or None, got {type(self.namespace).__name__}"
@@ -160,8 +190,10 @@ class StoreSettings:
 
         - `JAXKV_SGLANG_JAX_STORE` (required): the store spec (`open_store`).
         - `JAXKV_SGLANG_JAX_NAMESPACE`: the namespace (default: from the server's arguments).
-        - `JAXKV_SGLANG_JAX_WAIT_MS`: the wait per scheduling round, in ms (default 20).
-        - `JAXKV_SGLANG_JAX_PREFETCH_MB`: host memory for prefetched blocks, in MiB (256).
+        - `JAXKV_SGLANG_JAX_WAIT_MS`: the wait per scheduling round, in ms (default 20; at
+          most 86400000, a day).
+        - `JAXKV_SGLANG_JAX_PREFETCH_MB`: host memory for prefetched blocks, in MiB (256; at
+          most this machine's memory).
         - `JAXKV_SGLANG_JAX_HOST_POOL`: `jaxkv` puts HiCache's host tier on jaxkv's
           `LRUHostKVPool` too; `sglang-jax` (the default) keeps sglang-jax's own.
 
@@ -177,11 +209,20 @@ class StoreSettings:
             got = "nothing (unset)" if ENV_STORE not in env else repr(store)
             raise ValueError(f"{ENV_STORE}: {_SPEC_HELP}, got {got}")
         try:
-            _spec_parts(store)
+            spec_parts(store)
         except ValueError as err:
             raise ValueError(f"{ENV_STORE}: {str(err).removeprefix('store: ')}") from None
-        wait_ms = _env_number(env, ENV_WAIT_MS, WAIT_S * 1e3, positive=False)
-        mib = _env_number(env, ENV_PREFETCH_MB, PREFETCH_BYTES / (1 << 20), positive=True)
+        wait_ms = _env_number(
+            env, ENV_WAIT_MS, WAIT_S * 1e3, positive=False, most=MAX_WAIT_S * 1e3, unit="ms"
+        )
+        mib = _env_number(
+            env,
+            ENV_PREFETCH_MB,
+            PREFETCH_BYTES / (1 << 20),
+            positive=True,
+            most=MEMORY_BYTES / (1 << 20),
+            unit="MiB",
+        )
         host_pool = env.get(ENV_HOST_POOL, "sglang-jax")
         if host_pool not in ("jaxkv", "sglang-jax"):
             raise ValueError(
@@ -191,22 +232,45 @@ class StoreSettings:
             store=store,
             namespace=env.get(ENV_NAMESPACE) or None,
             wait_s=wait_ms / 1e3,
-            prefetch_bytes=max(1, int(mib * (1 << 20))),
+            prefetch_bytes=min(max(1, int(mib * (1 << 20))), MEMORY_BYTES),
             host_pool=host_pool == "jaxkv",
         )
 
 
-def check_tier_args(wait_s: object, prefetch_bytes: object) -> None:
+def check_tier_args(
+    wait_s: object, prefetch_bytes: object, *, tree: Any = None, store: object = None
+) -> None:
+    """Checks the arguments of a tier (`StoreSettings`'s, and `StoreTier`'s `tree` and
+    `store` when given). Raises `ValueError` or `TypeError` naming the argument."""
     if (
         isinstance(wait_s, bool)
         or not isinstance(wait_s, (int, float))
-        or not math.isfinite(wait_s)
-        or wait_s < 0
+        or not 0 <= wait_s <= MAX_WAIT_S  # NaN fails every compare
     ):
-        raise ValueError(f"wait_s: expected a number of seconds, 0 or more, got {wait_s!r}")
+        raise ValueError(
+            f"wait_s: expected a number of seconds from 0 to {MAX_WAIT_S:.0f} (a day), "
+            f"got {wait_s!r}"
+        )
     if (
         not isinstance(prefetch_bytes, int)
         or isinstance(prefetch_bytes, bool)
-        or prefetch_bytes < 1
+        or not 1 <= prefetch_bytes <= MEMORY_BYTES
     ):
-        raise ValueError(f"prefetch_bytes: expected a positive int, got {prefetch_bytes!r}")
+        raise ValueError(
+            f"prefetch_bytes: expected an int from 1 to {MEMORY_BYTES} (this machine's "
+            f"memory), got {prefetch_bytes!r}"
+        )
+    if store is not None and not isinstance(store, BlockStore):
+        raise TypeError(f"store: expected a BlockStore, got {type(store).__name__}")
+    if tree is None:
+        return
+    if len(tree.tree_components) != 1 or tree.supports_recurrent():
+        raise ValueError(
+            "tree_components: expected the FULL component alone (recurrent state is not "
+            f"stored), got {tree.tree_components}"
+        )
+    if tree.is_eagle:
+        raise ValueError(
+            "is_eagle: expected False (EAGLE's bigram keys name token pairs, not the "
+            "tokens the store's keys hash), got True"
+        )

@@ -1,6 +1,7 @@
 """The L3 tier's two sides of one store: the writer's view, which answers "already stored?"
 from the keys this process knows (so the scheduler never asks the store), and the reader's,
-which answers only from blocks prefetched into host memory by background threads.
+which answers only from blocks prefetched into host memory by background threads; and the
+counters both report to (`TierCounters`), which also reach the server's log.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxkv.connector import BlockStore, HostStore
+from jaxkv.connector.stores import FailureLog
+
+log = logging.getLogger("jaxkv")
 
 # Blocks one store read asks for: a prefetch lands in host memory, and can be loaded, a batch
 # at a time.
@@ -30,6 +35,11 @@ _RECHECK_S = 2.0
 _KEPT_PREFETCHES = 4096
 # Block keys the write side remembers as stored (see KnownKeys).
 _KNOWN_KEYS = 1 << 17
+# `store_async` calls in flight; a backup past them is not written to the store (counted).
+MAX_WRITES = 8
+# The counters' INFO line comes at most this often (and only when one changed): a server's
+# log shows the tier at work without a line per request.
+LOG_EVERY_S = 60.0
 
 # ---- the store's two sides ----------------------------------------------------------------
 
@@ -42,20 +52,47 @@ class KnownKeys(BlockStore):
     `put_many`, which runs on the connector's background worker, asks the store first and
     writes only the blocks it does not hold. A key forgotten (past `_KNOWN_KEYS`) or stored by
     another process is copied again and then found held: a copy, never a wrong answer.
+
+    A key the store no longer holds is forgotten, so that the next backup of its block writes
+    it again: the store reports its own drops (`BlockStore.on_drop`: evicted, damaged,
+    discarded), and the read side reports what it found missing or refused (`forget`), which
+    covers drops no listener sees (another process's, a Redis server's own eviction). A drop
+    reported while `put_many` runs wins over that call's "held" or "written" answer.
     """
 
     def __init__(self, store: BlockStore):
         super().__init__()
         self.store = store
         self._keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Per `put_many` in flight, the keys dropped since it began.
+        self._watch: dict[int, set[str]] = {}
+        self._calls = 0
+        self._unlisten = store.on_drop(lambda key, reason: self.forget([key]))
 
     def remember(self, keys: Sequence[str]) -> None:
         with self._lock:
+            self._remember(keys)
+
+    def _remember(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > _KNOWN_KEYS:
+            self._keys.popitem(last=False)
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """Keys the store no longer holds (or may not): their next write goes to the store.
+        Called by the store's drop listener, possibly under the store's lock: it only takes
+        this object's."""
+        with self._lock:
             for key in keys:
-                self._keys[key] = None
-                self._keys.move_to_end(key)
-            while len(self._keys) > _KNOWN_KEYS:
-                self._keys.popitem(last=False)
+                self._keys.pop(key, None)
+                for dropped in self._watch.values():
+                    dropped.add(key)
+
+    def close(self) -> None:
+        """Stops listening to the store's drops."""
+        self._unlisten()
 
     def contains(self, key: str) -> bool:
         with self._lock:
@@ -69,11 +106,21 @@ class KnownKeys(BlockStore):
 
     def put_many(self, records) -> list[bool]:
         keys = [r.key for r in records]
-        held = self.store.contains_many(keys)
-        new = [r for r, h in zip(records, held) if not h]
-        written = iter(self.store.put_many(new) if new else ())
-        answers = [False if h else bool(next(written)) for h in held]
-        self.remember([k for k, h, w in zip(keys, held, answers) if h or w])
+        with self._lock:
+            call = self._calls = self._calls + 1
+            dropped = self._watch[call] = set()
+        answers: list[bool] = []
+        try:
+            held = self.store.contains_many(keys)
+            new = [r for r, h in zip(records, held) if not h]
+            written = iter(self.store.put_many(new) if new else ())
+            answers = [False if h else bool(next(written)) for h in held]
+        finally:
+            with self._lock:
+                del self._watch[call]
+                # Under the lock that ends the watch: a drop reported later finds the keys.
+                stored = zip(keys, held, answers) if answers else ()
+                self._remember([k for k, h, w in stored if (h or w) and k not in dropped])
         return answers
 
     def __len__(self) -> int:
@@ -108,8 +155,9 @@ class ReadAhead(BlockStore):
         store: the store.
         capacity: bytes of host memory for the blocks read ahead.
         max_blocks: the most blocks one prefetch reads, per shard.
-        count: called with a counter's name: "prefetches" (one started), "prefetches_refused".
-        failed: called with (what, error) for a store call that raised.
+        counters: where prefetches started or refused, and failed store calls, are counted.
+        missing: called with keys the store did not answer with a record (a prefetch's
+            miss) or answered with a wrong one (`discard`): the write side forgets them.
     """
 
     def __init__(
@@ -117,15 +165,16 @@ class ReadAhead(BlockStore):
         store: BlockStore,
         capacity: int,
         max_blocks: int,
-        count: Callable[[str], None],
-        failed: Callable[[str, BaseException], None],
+        counters: TierCounters,
+        missing: Callable[[Sequence[str]], None],
     ):
         super().__init__()
         self.store = store
         self.cache = HostStore(capacity, preallocate_bytes=0)
         self._max_blocks = max_blocks
-        self._count_as = count
-        self._on_error = failed
+        self._count_as = counters.count
+        self._on_error = counters.failed
+        self._missing = missing
         self._seen: list[tuple[list[str], list[bool]]] | None = None
         self._jobs: collections.OrderedDict[str, _Prefetch] = collections.OrderedDict()
         self._running = 0
@@ -165,7 +214,9 @@ class ReadAhead(BlockStore):
 
     def discard(self, key: str) -> bool:
         # A record the connector found wrong: gone from host memory now, and from the store
-        # in the background (so that the next write of the block repairs it).
+        # in the background (so that the next write of the block repairs it). The write side
+        # forgets it at once: a store that cannot discard still gets the block again.
+        self._missing([key])
         self._threads.submit(self._discard_stored, key)
         return self.cache.discard(key)
 
@@ -226,6 +277,11 @@ class ReadAhead(BlockStore):
                     if found:
                         self.cache.put_many(found)
                     if len(found) < len(batch):
+                        # Gone from the store, or never written (then forgetting it changes
+                        # nothing); the blocks after it were not asked (stop_at_miss) and
+                        # cannot load without it: forgotten too, each write then asks the
+                        # store whether it holds them.
+                        self._missing(keys[i + len(found) :])
                         break
         except Exception as err:  # a failing store: the blocks are recomputed
             self._on_error("prefetch", err)
@@ -237,3 +293,97 @@ class ReadAhead(BlockStore):
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)
+
+
+# ---- counters -----------------------------------------------------------------------------
+
+_COUNTERS = (
+    "lookups",
+    "hits",
+    "hit_tokens",
+    "loads",
+    "loaded_tokens",
+    "prefetches",
+    "prefetches_refused",
+    "writes",
+    "writes_refused",
+    "errors",
+    "waited_s",
+)
+
+
+class TierCounters:
+    """The tier's counters (their meanings: `StoreTier.stats`), its failures logged (each
+    class at its 1st, 2nd, 4th... occurrence) and an INFO line of the counters on the `jaxkv`
+    logger, which sglang-jax's server routes to its log.
+
+    `log_changes` writes that line when a counter changed since the last one and `every_s`
+    passed (on `clock`); it is cheap enough for every scheduling round: one clock read and a
+    compare, the counters read only once the interval passed.
+
+    Args:
+        owner: the name lines start with.
+        every_s: the least time between two lines, in seconds.
+        clock: seconds, monotonic.
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        *,
+        every_s: float = LOG_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.owner = owner
+        self.every_s = every_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {**dict.fromkeys(_COUNTERS, 0), "waited_s": 0.0}
+        self._writes = 0  # `store_async` calls in flight
+        self._failures = FailureLog(owner)
+        self._logged = dict(self._values)
+        self._logged_at = clock()
+
+    def count(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._values[name] += n
+
+    def failed(self, kind: str, err: BaseException) -> None:
+        self.count("errors")
+        self._failures.note(kind, err)
+
+    def start_write(self) -> bool:
+        """A backup handed to the store: False, counted in `writes_refused`, when `MAX_WRITES`
+        calls are in flight."""
+        with self._lock:
+            if self._writes >= MAX_WRITES:
+                self._values["writes_refused"] += 1
+                return False
+            self._writes += 1
+            return True
+
+    def end_write(self) -> None:
+        with self._lock:
+            self._writes -= 1
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {**self._values, "writes_in_flight": self._writes}
+
+    def log_changes(self) -> None:
+        now = self.clock()
+        if now - self._logged_at < self.every_s:
+            return
+        self._logged_at = now
+        values = self.snapshot()
+        if all(values[name] == self._logged[name] for name in _COUNTERS):
+            return
+        self._logged = values
+        line = " ".join(
+            f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value}"
+            for name, value in values.items()
+        )
+        try:
+            log.info("%s: %s", self.owner, line)
+        except Exception as err:  # a broken log handler: never into the scheduler
+            self.failed("log", err)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -53,7 +52,6 @@ from typing import Any
 import numpy as np
 
 from jaxkv.connector import BlockStore, KVConnector
-from jaxkv.connector.stores import FailureLog
 from jaxkv.integrations.sglang_jax._store_settings import (
     ENV_HOST_POOL,
     ENV_NAMESPACE,
@@ -67,10 +65,13 @@ from jaxkv.integrations.sglang_jax._store_settings import (
     namespace_of,
     open_store,
 )
-from jaxkv.integrations.sglang_jax._store_sides import KnownKeys, ReadAhead
+from jaxkv.integrations.sglang_jax._store_sides import (
+    MAX_WRITES,
+    KnownKeys,
+    ReadAhead,
+    TierCounters,
+)
 
-# `store_async` calls in flight; a backup past them is not written to the store (counted).
-_MAX_WRITES = 8
 __all__ = [
     "ENV_HOST_POOL",
     "ENV_NAMESPACE",
@@ -86,19 +87,6 @@ __all__ = [
     "radix_cache_class",
     "uninstall",
 ]
-
-_COUNTERS = (
-    "lookups",
-    "hits",
-    "hit_tokens",
-    "loads",
-    "loaded_tokens",
-    "prefetches",
-    "prefetches_refused",
-    "writes",
-    "writes_refused",
-    "errors",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,53 +156,36 @@ class StoreTier:
     ):
         from sgl_jax.srt.mem_cache.unified_cache_components import BASE_COMPONENT_TYPE
 
-        if not isinstance(store, BlockStore):
-            raise TypeError(f"store: expected a BlockStore, got {type(store).__name__}")
-        check_tier_args(wait_s, prefetch_bytes)
-        if len(tree.tree_components) != 1 or tree.supports_recurrent():
-            raise ValueError(
-                "tree_components: expected the FULL component alone (recurrent state is not "
-                f"stored), got {tree.tree_components}"
-            )
-        if tree.is_eagle:
-            raise ValueError(
-                "is_eagle: expected False (EAGLE's bigram keys name token pairs, not the "
-                "tokens the store's keys hash), got True"
-            )
+        check_tier_args(wait_s, prefetch_bytes, tree=tree, store=store)
         pool = tree.token_to_kv_pool_allocator.get_kvcache()
         self.tree = tree
         self.store = store
         self.wait_s = float(wait_s)
         self._full = BASE_COMPONENT_TYPE
+        #: The counters (`stats`), also logged at INFO on the `jaxkv` logger when they changed,
+        #: at most every `counters.every_s` seconds (checked as each scheduling round starts).
+        self.counters = TierCounters("StoreRadixCache")
+        self._count, self._failed = self.counters.count, self.counters.failed
         self._known = KnownKeys(store)
         #: Writes HiCache's backups to the store (through `KnownKeys`).
-        self.writer = KVConnector(pool, self._known, namespace=namespace, max_pending=_MAX_WRITES)
+        self.writer = KVConnector(pool, self._known, namespace=namespace, max_pending=MAX_WRITES)
         self.block_size = self.writer.block_size
         block_bytes = self.writer.layout.block_nbytes(self.block_size)
         max_blocks = max(1, prefetch_bytes // (2 * block_bytes))
-        self._ahead = ReadAhead(store, prefetch_bytes, max_blocks, self._count, self._failed)
+        self._ahead = ReadAhead(
+            store, prefetch_bytes, max_blocks, self.counters, missing=self._known.forget
+        )
         #: Looks prefixes up in, and loads them from, the blocks read ahead.
         self.reader = KVConnector(
             pool, self._ahead, namespace=namespace, block_size=self.block_size
         )
         self._budget = self.wait_s
-        self._writes = 0  # `store_async` calls in flight
-        self._lock = threading.Lock()
-        self._counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
-        self._counters["waited_s"] = 0.0
-        self._failures = FailureLog("StoreRadixCache")
-
-    def _count(self, name: str, n: float = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
-
-    def _failed(self, kind: str, err: BaseException) -> None:
-        self._count("errors")
-        self._failures.note(kind, err)
 
     def new_round(self) -> None:
-        """A scheduling round starts: its matches may wait `wait_s` again."""
+        """A scheduling round starts: its matches may wait `wait_s` again, and the counters
+        reach the log if it is time (`counters`)."""
         self._budget = self.wait_s
+        self.counters.log_changes()
 
     # ---- match ----------------------------------------------------------------------------
 
@@ -356,17 +327,13 @@ class StoreTier:
             path = self._path(node)
             if path is None or len(path[0]) < self.block_size:
                 return
-            with self._lock:
-                if self._writes >= _MAX_WRITES:
-                    self._counters["writes_refused"] += 1
-                    return
-                self._writes += 1
+            if not self.counters.start_write():
+                return
             try:
                 pool = self.tree.token_to_kv_pool_allocator.get_kvcache()
                 future = self.writer.store_async(pool, path[0], path[1], salt=path[2])
             except BaseException:
-                with self._lock:
-                    self._writes -= 1
+                self.counters.end_write()
                 raise
             self._count("writes")
             future.add_done_callback(self._written)
@@ -374,8 +341,7 @@ class StoreTier:
             self._failed("write", err)
 
     def _written(self, future: Future) -> None:
-        with self._lock:
-            self._writes -= 1
+        self.counters.end_write()
         err = future.exception()
         if err is not None:
             self._failed("write", err)
@@ -410,15 +376,13 @@ class StoreTier:
         - `prefetches`: reads of the store started; `prefetches_refused`: not started, because
           `_MAX_PREFETCHES` were in flight. `waited_s`: the time matches waited for them.
         - `writes`: `store_async` calls for HiCache's backups; `writes_refused`: backups not
-          written, because `_MAX_WRITES` calls were in flight; `writes_in_flight`: now.
+          written, because `MAX_WRITES` calls were in flight; `writes_in_flight`: now.
         - `errors`: failures of the store or the tier (each a request recomputed, or blocks
           not written), also logged on the `jaxkv` logger.
         - `writer`, `reader`: the two connectors' `stats()` (the writer's `"store"` is the
           store's; the reader's is the host memory of the blocks read ahead).
         """
-        with self._lock:
-            counters: dict[str, Any] = dict(self._counters)
-            counters["writes_in_flight"] = self._writes
+        counters: dict[str, Any] = self.counters.snapshot()
         return {**counters, "writer": self.writer.stats(), "reader": self.reader.stats()}
 
     def flush(self) -> None:
@@ -426,10 +390,12 @@ class StoreTier:
         self.writer.flush()
 
     def close(self) -> None:
-        """Finishes the writes in flight and stops the background threads."""
+        """Finishes the writes in flight, stops the background threads and stops listening
+        to the store's drops."""
         self._ahead.close()
         self.writer.close()
         self.reader.close()
+        self._known.close()
 
 
 # ---- the tree -----------------------------------------------------------------------------
