@@ -24,8 +24,10 @@ Its seams are the tree's own methods (sglang-jax's code is unchanged):
 
 The scheduler's thread never waits on the store: writes and lookups run in the background,
 and what it copies is host memory (the snapshot, the prefetched blocks). A failing or slow
-store (an error, a timeout, a damaged record) is counted (`StoreTier.stats`) and logged on the
-`jaxkv` logger, and its request is recomputed; nothing is raised into the scheduler.
+store (an error, a timeout, a damaged record) is counted (`StoreTier.stats`, also logged at
+INFO at most once a minute) and logged on the `jaxkv` logger, and its request is recomputed;
+nothing is raised into the scheduler. A block the store drops (evicts, finds damaged, discards,
+or a read finds missing or wrong) is forgotten as stored, so the next backup writes it again.
 
 The connector describes the pool as it describes any pool sglang-jax builds (one layout, the
 connector's, for jaxkv's pools and sglang-jax's), so these blocks are the blocks a
@@ -58,6 +60,8 @@ from jaxkv.integrations.sglang_jax._store_settings import (
     ENV_PREFETCH_MB,
     ENV_STORE,
     ENV_WAIT_MS,
+    MAX_WAIT_S,
+    MEMORY_BYTES,
     PREFETCH_BYTES,
     WAIT_S,
     StoreSettings,
@@ -78,6 +82,8 @@ __all__ = [
     "ENV_PREFETCH_MB",
     "ENV_STORE",
     "ENV_WAIT_MS",
+    "MAX_WAIT_S",
+    "MEMORY_BYTES",
     "StoreSettings",
     "StoreTier",
     "install",
