@@ -16,7 +16,11 @@
 #    (tests_sglang_jax/hicache_on_jaxkv.py) swaps the class in before they import it and
 #    deselects the white-box tests of sglang-jax's own implementation it lists; it fails the
 #    run when a listed test is gone or the swap did not take.
-# 4. tests_sglang_jax/: jaxkv against sglang-jax's pools.
+# 4. tests_sglang_jax/: jaxkv against sglang-jax's pools (test_server.py apart, step 5).
+# 5. tests_sglang_jax/test_server.py: sglang-jax's own server (python -m sgl_jax.launch_server)
+#    and jaxkv's launcher, started on the CPU on a tiny random checkpoint, over HTTP; it needs
+#    what the server imports besides (.ci/sglang-jax-server-requirements.txt, installed into
+#    the same environment). One server at a time, each 30-80 s to start: its own timed run.
 #
 # pytest's exit 5 ("no tests collected") is a failure, and with CI set a skipped test fails the
 # run (tests_sglang_jax/ci_no_skips.py). Prints the install time and each run's time and peak
@@ -62,7 +66,7 @@ echo '*' >"$venv/.gitignore" # the environment is never part of the repository
 # No bytecode at install: the tests' interpreters compile only the modules they import, once,
 # into the prefix above, instead of every installed file.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile \
-  -e ".[test]" -r .ci/sglang-jax-requirements.txt
+  -e ".[test]" -r .ci/sglang-jax-requirements.txt -r .ci/sglang-jax-server-requirements.txt
 installed=$(date +%s)
 echo "CI: sglang-jax environment installed in $((installed - start)) s"
 "$venv/bin/python" -c "import jax, numpy; print('jax', jax.__version__, 'numpy', numpy.__version__)"
@@ -90,10 +94,14 @@ pytest_rc "sglang-jax HiCache tests on jaxkv's LRUHostKVPool" 120 -p hicache_on_
   --rootdir "$SGLANG_JAX_SRC" -q "$tests/test_host_kv_pool.py" "$tests/test_hicache_controller.py" \
   "$tests/test_hicache_e2e.py" || hicache_rc=$?
 ours_rc=0
-pytest_rc "tests_sglang_jax" 180 tests_sglang_jax -rxX || ours_rc=$?
+pytest_rc "tests_sglang_jax" 180 tests_sglang_jax -rxX \
+  --ignore tests_sglang_jax/test_server.py || ours_rc=$?
+server_rc=0
+pytest_rc "sglang-jax server end to end" 600 tests_sglang_jax/test_server.py -rxX -s \
+  || server_rc=$?
 echo "CI: sglang-jax step took $(($(date +%s) - start)) s (install $((installed - start)) s)"
 
-for rc in "$own_rc" "$eight_rc" "$hicache_rc"; do
+for rc in "$own_rc" "$eight_rc" "$hicache_rc" "$server_rc"; do
   if [ "$rc" -ne 0 ]; then
     exit "$rc"
   fi
