@@ -253,6 +253,14 @@ def test_install_can_put_hicaches_host_tier_on_jaxkv(tmp_path):
     assert host_kv_pool.LRUHostKVPool is own
     with pytest.raises(ValueError, match="JAXKV_SGLANG_JAX_HOST_POOL: expected 'jaxkv'"):
         storage.StoreSettings.from_env({**env, storage.ENV_HOST_POOL: "yes"})
+    # The switch back to sglang-jax's own host pool.
+    theirs = storage.StoreSettings.from_env({**env, storage.ENV_HOST_POOL: "sglang-jax"})
+    assert not theirs.host_pool
+    try:
+        storage.install(theirs)
+        assert host_kv_pool.LRUHostKVPool is own
+    finally:
+        storage.uninstall()
 
 
 def test_the_hook_needs_hicache(hook, tmp_path, rng):
@@ -400,8 +408,9 @@ def test_settings_from_the_environment(tmp_path):
         prefetch_bytes=64 << 20,
     )
     defaults = storage.StoreSettings.from_env({storage.ENV_STORE: f"disk:{tmp_path}"})
-    assert defaults.namespace is None and defaults.wait_s == 0.02
+    assert defaults.namespace is None and defaults.wait_s == 1.0
     assert defaults.prefetch_bytes == 256 << 20
+    assert defaults.host_pool and storage.StoreSettings(store=f"disk:{tmp_path}").host_pool
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,9 @@ ENV_NAMESPACE = "JAXKV_SGLANG_JAX_NAMESPACE"
 ENV_WAIT_MS = "JAXKV_SGLANG_JAX_WAIT_MS"
 ENV_PREFETCH_MB = "JAXKV_SGLANG_JAX_PREFETCH_MB"
 ENV_HOST_POOL = "JAXKV_SGLANG_JAX_HOST_POOL"
-WAIT_S = 0.02
+# The most one scheduling round waits for prefetches (a hard bound: within it, a match waits
+# while blocks land and stops when the store stalls, see `_store_sides.ReadAhead.wait`).
+WAIT_S = 1.0
 PREFETCH_BYTES = 256 << 20
 # The longest wait per scheduling round: a day. Waits are finite numbers of seconds, and the
 # bound keeps them far inside what `threading.Event.wait` takes (~9.2e9 s).
@@ -156,12 +158,15 @@ class StoreSettings:
             tree (sglang-jax's scheduler).
         namespace: the connector's namespace; None derives it from the server's arguments
             (`namespace_of`).
-        wait_s: the most one scheduling round waits for store lookups, in seconds, from 0
-            to `MAX_WAIT_S` (a day).
+        wait_s: the most one scheduling round waits for prefetches from the store, in
+            seconds, from 0 to `MAX_WAIT_S` (a day): a hard bound. Within it a match waits
+            while blocks keep landing, and stops once its prefetch ended or the store landed
+            nothing for 0.5 s (then later matches wait for nothing until it lands a block).
         prefetch_bytes: host memory for blocks read ahead from the store, an int from 1 to
             `MEMORY_BYTES` (this machine's memory).
-        host_pool: also put HiCache's host tier (L2) on jaxkv's host memory: `install` makes
-            sglang-jax's `init_hicache` build `jaxkv.integrations.sglang_jax.LRUHostKVPool`.
+        host_pool: put HiCache's host tier (L2) on jaxkv's host memory too (the default):
+            `install` makes sglang-jax's `init_hicache` build
+            `jaxkv.integrations.sglang_jax.LRUHostKVPool`; False keeps sglang-jax's own.
 
     Raises:
         ValueError: a malformed `store` spec, a `wait_s` or `prefetch_bytes` out of range.
@@ -172,7 +177,7 @@ class StoreSettings:
     namespace: str | None = None
     wait_s: float = WAIT_S
     prefetch_bytes: int = PREFETCH_BYTES
-    host_pool: bool = False
+    host_pool: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.host_pool, bool):
@@ -190,12 +195,12 @@ class StoreSettings:
 
         - `JAXKV_SGLANG_JAX_STORE` (required): the store spec (`open_store`).
         - `JAXKV_SGLANG_JAX_NAMESPACE`: the namespace (default: from the server's arguments).
-        - `JAXKV_SGLANG_JAX_WAIT_MS`: the wait per scheduling round, in ms (default 20; at
-          most 86400000, a day).
+        - `JAXKV_SGLANG_JAX_WAIT_MS`: the most one scheduling round waits for prefetches, in
+          ms (default 1000; at most 86400000, a day); see `wait_s`.
         - `JAXKV_SGLANG_JAX_PREFETCH_MB`: host memory for prefetched blocks, in MiB (256; at
           most this machine's memory).
-        - `JAXKV_SGLANG_JAX_HOST_POOL`: `jaxkv` puts HiCache's host tier on jaxkv's
-          `LRUHostKVPool` too; `sglang-jax` (the default) keeps sglang-jax's own.
+        - `JAXKV_SGLANG_JAX_HOST_POOL`: `jaxkv` (the default) puts HiCache's host tier on
+          jaxkv's `LRUHostKVPool` too; `sglang-jax` keeps sglang-jax's own.
 
         Args:
             environ: the variables; None reads `os.environ`.
@@ -223,7 +228,7 @@ class StoreSettings:
             most=MEMORY_BYTES / (1 << 20),
             unit="MiB",
         )
-        host_pool = env.get(ENV_HOST_POOL, "sglang-jax")
+        host_pool = env.get(ENV_HOST_POOL, "jaxkv")
         if host_pool not in ("jaxkv", "sglang-jax"):
             raise ValueError(
                 f"{ENV_HOST_POOL}: expected 'jaxkv' or 'sglang-jax', got {host_pool!r}"

@@ -31,6 +31,11 @@ _PREFETCH_THREADS = 2
 # A finished prefetch is not asked again for this long: a request waiting in the queue is
 # matched every round, and its blocks have either arrived or are not in the store.
 _RECHECK_S = 2.0
+# A match waits for its prefetch while blocks keep landing: no block for this long and the
+# store counts as stalled (the match stops waiting, and later ones wait for nothing until a
+# block lands or a prefetch ends). A healthy disk or Redis lands a batch in a few ms; the
+# window leaves room for a first read on a loaded machine (a new process's cold files).
+STALL_S = 0.5
 # Finished prefetches remembered (for _RECHECK_S), beyond those in flight.
 _KEPT_PREFETCHES = 4096
 # Block keys the write side remembers as stored (see KnownKeys).
@@ -178,6 +183,10 @@ class ReadAhead(BlockStore):
         self._seen: list[tuple[list[str], list[bool]]] | None = None
         self._jobs: collections.OrderedDict[str, _Prefetch] = collections.OrderedDict()
         self._running = 0
+        # Progress of every prefetch: blocks landed so far, and whether the store stalled.
+        self._progress = threading.Condition(self._lock)
+        self._landed = 0
+        self._stalled = False
         self._threads = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="jaxkv-prefetch")
 
     @contextlib.contextmanager
@@ -276,6 +285,10 @@ class ReadAhead(BlockStore):
                         found.append(record)
                     if found:
                         self.cache.put_many(found)
+                        with self._progress:
+                            self._landed += len(found)
+                            self._stalled = False
+                            self._progress.notify_all()
                     if len(found) < len(batch):
                         # Gone from the store, or never written (then forgetting it changes
                         # nothing); the blocks after it were not asked (stop_at_miss) and
@@ -286,10 +299,37 @@ class ReadAhead(BlockStore):
         except Exception as err:  # a failing store: the blocks are recomputed
             self._on_error("prefetch", err)
         finally:
-            with self._lock:
+            with self._progress:
                 job.finished_at = time.monotonic()
                 self._running -= 1
-            job.done.set()
+                self._stalled = False  # the store answered (or failed fast)
+                job.done.set()
+                self._progress.notify_all()
+
+    def wait(self, job: _Prefetch, limit_s: float) -> float:
+        """Waits for `job` while the store makes progress: until it ended, `limit_s` passed,
+        or no block of any prefetch landed for `STALL_S` (the store then counts as stalled,
+        and later waits return at once until a block lands or a prefetch ends). A long
+        prefix from a healthy store is waited for whole; a hung store costs one `STALL_S`.
+
+        Returns:
+            The seconds waited.
+        """
+        began = time.monotonic()
+        deadline = began + limit_s
+        with self._progress:
+            landed, since = self._landed, began
+            while not self._stalled and not job.done.is_set():
+                now = time.monotonic()
+                if self._landed != landed:
+                    landed, since = self._landed, now
+                if now >= deadline:
+                    break
+                if now - since >= STALL_S:
+                    self._stalled = True
+                    break
+                self._progress.wait(min(deadline, since + STALL_S) - now)
+        return time.monotonic() - began
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)

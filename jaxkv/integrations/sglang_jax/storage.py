@@ -16,18 +16,20 @@ Its seams are the tree's own methods (sglang-jax's code is unchanged):
   eviction then only drops the host copy: the store has the pages.
 - `match_prefix`: when the device and host match ends a block or more before the prompt's
   last whole block, background threads read the next blocks from the store into host memory
-  (a prefetch). The match waits for them at most `wait_s` per scheduling round, then reports
-  the blocks in host memory as host hits (`host_hit_length`), as HiCache reports its own.
+  (a prefetch). The match waits while blocks land (until the prefetch ends, the store stalls,
+  or the round's `wait_s` is spent), then reports the blocks in host memory as host hits
+  (`host_hit_length`), as HiCache reports its own.
 - `init_load_back` (the scheduler's call for a host hit): HiCache's host part first, then the
   prefetched blocks are copied into new device slots and inserted into the tree as device
-  nodes.
+  nodes; both evict unlocked cached prefixes for room, as SGLang's HiCache does.
 
-The scheduler's thread never waits on the store: writes and lookups run in the background,
-and what it copies is host memory (the snapshot, the prefetched blocks). A failing or slow
-store (an error, a timeout, a damaged record) is counted (`StoreTier.stats`, also logged at
-INFO at most once a minute) and logged on the `jaxkv` logger, and its request is recomputed;
-nothing is raised into the scheduler. A block the store drops (evicts, finds damaged, discards,
-or a read finds missing or wrong) is forgotten as stored, so the next backup writes it again.
+Writes and reads run in the background; the scheduler's thread copies host memory (the
+snapshot, the prefetched blocks) and waits only for a prefetch that makes progress. A failing
+or slow store (an error, a timeout, a damaged record) is counted (`StoreTier.stats`, logged at
+INFO at most once a minute), its failures logged on the `jaxkv` logger, and its request
+recomputed; nothing is raised into the scheduler. A block the store drops (evicts, finds
+damaged, discards, or a read finds missing or wrong) is forgotten as stored, so the next
+backup writes it again.
 
 The connector describes the pool as it describes any pool sglang-jax builds (one layout, the
 connector's, for jaxkv's pools and sglang-jax's), so these blocks are the blocks a
@@ -46,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -121,8 +122,7 @@ class _StoreHit:
 
 
 def _salt(extra_key: object) -> str | None:
-    # The tree keeps prefixes of different `extra_key`s (LoRA adapters, cache salts) apart;
-    # the store keeps them apart by salting their keys with it.
+    # Prefixes of different `extra_key`s (LoRA adapters, cache salts) stay apart: salted.
     return None if extra_key is None else str(extra_key)
 
 
@@ -139,8 +139,8 @@ class StoreTier:
             component alone, over a pool `KVConnector` reads (dp_size 1).
         store: where blocks go.
         namespace: the connector's namespace: it must name the weights (see `namespace_of`).
-        wait_s: the most one scheduling round waits for store lookups (the rest of a prefix
-            whose blocks have not arrived by then is recomputed).
+        wait_s: the most one scheduling round waits for prefetches, a hard bound (the rest of
+            a prefix whose blocks have not arrived by then is recomputed).
         prefetch_bytes: host memory for blocks read ahead from the store; one prefetch takes
             at most half of it.
 
@@ -188,8 +188,7 @@ class StoreTier:
         self._budget = self.wait_s
 
     def new_round(self) -> None:
-        """A scheduling round starts: its matches may wait `wait_s` again, and the counters
-        reach the log if it is time (`counters`)."""
+        """A round starts: its matches may wait `wait_s` again; counters logged when due."""
         self._budget = self.wait_s
         self.counters.log_changes()
 
@@ -225,9 +224,7 @@ class StoreTier:
             missing = [keys[held.index(False) :] for keys, held in asked if False in held]
             job = self._ahead.fetch(missing, f"{asked[0][0][-1]}@{start}")
             if job is not None and self._budget > 0:
-                began = time.monotonic()
-                job.done.wait(self._budget)
-                waited = time.monotonic() - began
+                waited = self._ahead.wait(job, self._budget)
                 self._budget -= waited
                 self._count("waited_s", waited)
                 found = self.reader.lookup(ids, salt=salt, start=start)
@@ -266,10 +263,6 @@ class StoreTier:
         tree, bs = self.tree, self.block_size
         held = len(hit.device_indices) + hit.host_tokens
         n = len(hit.ids) - hit.start
-        if mem_quota is not None:
-            n = min(n, (mem_quota - len(host_indices)) // bs * bs)
-        if hit.start + n <= held:
-            return host
         dp_rank = hit.key.dp_rank or 0
         allocator = tree.token_to_kv_pool_allocator
         # `node` ends the device prefix now; locked, eviction cannot take it (nor the host
@@ -277,9 +270,13 @@ class StoreTier:
         lock = tree.inc_lock_ref(node)
         try:
             available = allocator.available_size(dp_rank)
-            if available < n:
-                tree.evict(EvictParams(num_tokens=n - available, dp_rank=dp_rank))
-            slots = allocator.alloc(n, dp_rank=dp_rank)
+            if mem_quota is not None:  # free slots, and what is evictable (see init_load_back)
+                n = min(n, (available + tree.evictable_size(dp_rank)) // bs * bs)
+            slots = None
+            if hit.start + n > held:
+                if available < n:
+                    tree.evict(EvictParams(num_tokens=n - available, dp_rank=dp_rank))
+                slots = allocator.alloc(n, dp_rank=dp_rank)
         finally:
             tree.dec_lock_ref(node, lock.to_dec_params())
         if slots is None:
@@ -459,9 +456,16 @@ def radix_cache_class() -> Any:
             return self.jaxkv.match(params, super().match_prefix(params))
 
         def init_load_back(self, last_host_node, host_hit_length, mem_quota=None):
-            if not isinstance(last_host_node, _StoreHit):
+            # The scheduler's quota is the free slots; a load back evicts unlocked cached
+            # prefixes for room too, as SGLang's HiCache does (the scheduler's budget counts
+            # them): a busy server's device is full of cached prefixes.
+            hit = last_host_node if isinstance(last_host_node, _StoreHit) else None
+            if mem_quota is not None:
+                key = last_host_node.key if hit is None else hit.key
+                dp_rank = getattr(key, "dp_rank", None) or 0
+                mem_quota += self.evictable_size(dp_rank)
+            if hit is None:
                 return super().init_load_back(last_host_node, host_hit_length, mem_quota)
-            hit = last_host_node
             host = (np.empty((0,), dtype=np.int32), hit.anchor, [])
             if hit.host_tokens:
                 host = super().init_load_back(hit.anchor, hit.host_tokens, mem_quota)
