@@ -21,7 +21,11 @@ here (neither sglang-jax nor jaxkv is changed):
   defined on the blank line before it, so line numbers stay). Nothing on disk changes, and
   the hook fails loudly if the line is no longer there.
 - **The CPU.** `--device cpu --attention-backend native` (the default backend is a TPU
-  Pallas kernel), and the small-memory flags of `SMALL_ARGS` (startup 30-50 s, ~1.5 GB).
+  Pallas kernel), and the small-memory flags of `SMALL_ARGS` (~1.5 GB over the server's
+  processes). The native backend's prefill attends over the request table padded to the
+  largest batch padding times the context length, so `SMALL_ARGS` holds one running request
+  and 2,048 tokens of context: at 4 x 4,096 a 1,000-token prefill took ~15 s here, at
+  1 x 2,048 about 1 s.
 - **head_dim 128.** A 64-dim model fails in `o_proj` with a shape error on the CPU, so the
   checkpoint's heads are 128 wide.
 - **Logprobs.** The scheduler dies (`TypeError` in `process_batch_result_decode`) when a
@@ -31,7 +35,9 @@ here (neither sglang-jax nor jaxkv is changed):
   last batch; `flush_cache` retries for a bounded time.
 - **An idle scheduler busy-polls a core.** One server at a time (the fixtures start the next
   one after the last one stopped); `stop` always ends the whole process group, with SIGKILL
-  when a polite stop times out, and `Server` is a context manager.
+  when a polite stop times out, and `Server` is a context manager. sglang-jax's own shutdown
+  SIGKILLs its scheduler, so a store write still in flight then is lost: a test that restarts
+  on a store folder waits for it to settle first (`wait_until_settled`).
 - **"fired up" is printed even when the port bind failed.** The port is a free one, found
   here, and readiness is checked over HTTP: `/get_model_info` must name this server's model
   folder, and the log must show the warm-up done.
@@ -65,8 +71,9 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 DEFAULT_SOURCE = REPO_ROOT / ".." / "shared" / "peers" / "sglang-jax" / "python"
 
-# sglang-jax's flags for a small CPU server: a few thousand tokens of KV, few requests, and
-# compiled shapes limited to the ones the tests use (each padding is one XLA compile at start).
+# sglang-jax's flags for a small CPU server: a few thousand tokens of KV, one request at a time
+# (see the module's docstring for why not more), and compiled shapes limited to the ones the
+# tests use (each padding is one XLA compile at start).
 SMALL_ARGS = (
     "--device", "cpu",
     "--attention-backend", "native",
@@ -465,14 +472,16 @@ class Server:
                         break
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        raise ServerError(f"/generate streamed an error: {chunk['error']}")
+                        raise self._failure(f"/generate streamed an error: {chunk['error']}")
                     if first is None and chunk.get("output_ids"):
                         first = time.perf_counter() - sent
                     last = chunk
         except urllib.error.HTTPError as err:
-            raise ServerError(f"/generate: HTTP {err.code}: {err.read()[:500]!r}") from err
+            raise self._failure(f"/generate: HTTP {err.code}: {err.read()[:500]!r}") from err
+        except OSError as err:  # refused, reset, timed out: the server died or hangs
+            raise self._failure(f"/generate: {err!r}") from err
         if last is None or first is None:
-            raise ServerError(f"/generate streamed no tokens; {self.log_path}")
+            raise self._failure("/generate streamed no tokens")
         # Without --stream-output each chunk holds all the tokens so far.
         return list(last["output_ids"]), last["meta_info"], first
 
@@ -489,10 +498,16 @@ class Server:
                     return
             except urllib.error.HTTPError as err:
                 if err.code != 400 or time.monotonic() > deadline:
-                    raise ServerError(
+                    raise self._failure(
                         f"/flush_cache: HTTP {err.code}: {err.read()[:500]!r}"
                     ) from err
+            except OSError as err:
+                raise self._failure(f"/flush_cache: {err!r}") from err
             time.sleep(0.2)
+
+    def _failure(self, what: str) -> ServerError:
+        state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        return ServerError(f"{what} (server {state}); {self.log_path}:\n{log_tail(self.log_path)}")
 
     def _get(self, path: str, timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + path, timeout=timeout_s) as response:
