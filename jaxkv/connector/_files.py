@@ -103,6 +103,14 @@ def _in_folder(path: str) -> Iterator[tuple[int | None, str]]:
     fd = _open_folder(folder)
     try:
         yield fd, name
+    except OSError as err:
+        # Calls relative to the folder name the entry alone: the error names the whole path,
+        # so a log line or a raised error says which folder failed.
+        if err.filename == name:
+            err.filename = path
+        if getattr(err, "filename2", None) == name:
+            err.filename2 = path
+        raise
     finally:
         os.close(fd)
 
