@@ -93,6 +93,32 @@ gather_jit = jax.jit(_gather, static_argnums=(3, 4))
 scatter_donated = jax.jit(_scatter, static_argnums=(4,), donate_argnums=(0,))
 
 
+def bucket(n_blocks: int) -> int:
+    """The block count a transfer of `n_blocks` runs at: the next power of two. Each count
+    is a compile of the gather or scatter (a fifth of a second on a CPU, on a server's
+    critical path), so a server compiles a few sizes once instead of one per prompt length;
+    the padding blocks are copies of a real block (reads) or dropped (writes)."""
+    return 1 << max(0, n_blocks - 1).bit_length()
+
+
+def read_slots(slots: np.ndarray, block_size: int) -> np.ndarray:
+    """`slots` padded to `bucket` blocks with copies of its first block: reads in range,
+    whose blocks the caller drops (`[:n_blocks]`)."""
+    n = len(slots) // block_size
+    if not n or bucket(n) == n:
+        return slots
+    return np.concatenate([slots, np.tile(slots[:block_size], bucket(n) - n)])
+
+
+def write_slots(slots: np.ndarray, block_size: int, n_blocks: int, bound: int) -> np.ndarray:
+    """`slots` padded to `n_blocks` blocks (the staging's) with runs of slots from `bound`
+    on, past every row of the buffers: a scatter drops them."""
+    pad = n_blocks * block_size - len(slots)
+    if pad <= 0:
+        return slots
+    return np.concatenate([slots, bound + np.arange(pad, dtype=slots.dtype)])
+
+
 def block_starts(slots: np.ndarray, block_size: int) -> np.ndarray | None:
     """First slot of each block when every block is one contiguous run of slots, else None."""
     blocks = slots.reshape(-1, block_size)

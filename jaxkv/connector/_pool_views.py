@@ -16,7 +16,7 @@ import numpy as np
 from jaxkv._kernels import warn_if_copied
 from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _foreign
-from jaxkv.connector._block_kernels import block_starts, scatter_donated
+from jaxkv.connector._block_kernels import block_starts, scatter_donated, write_slots
 from jaxkv.connector._declared import PoolLayout, recognised
 from jaxkv.connector._layout import Layout, Part, describe, layers_of
 from jaxkv.connector._staging import Staging
@@ -101,10 +101,13 @@ class _JaxkvView(PoolView):
 
 def write_arrays(arrays, parts: Sequence[Part], slots, staging, block_size: int):
     """Scatters `staging` (one `Staging` per part) at `slots` into `arrays` (per part, per
-    layer, donated) in one jitted call; returns the new arrays."""
+    layer, donated) in one jitted call; returns the new arrays. Staging of more blocks than
+    `slots` names (padded to a `bucket`) has its extra blocks dropped."""
     codecs = tuple(p.codec for p in parts)
-    starts = block_starts(slots, block_size)
     staged = tuple(st.on_device(arrays[0][0]) for st in staging)
+    bound = max(int(np.prod(bufs[0].shape[: p.codec.token_axes])) for bufs, p in zip(arrays, parts))
+    slots = write_slots(slots, block_size, int(staged[0][0].shape[0]), bound)
+    starts = block_starts(slots, block_size)
     new = scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
     warn_if_copied([b for bufs in arrays for b in bufs])
     if any(st.reused for st in staging):

@@ -126,14 +126,18 @@ class Staging:
 
     host: tuple[np.ndarray, ...] = ()
     reused = True
+    #: The blocks that hold data, the first ones (None: all); staging of a `bucket` of
+    #: blocks holds fewer, and the scatter drops the rest.
+    blocks: int | None = None
 
     def on_device(self, like: jax.Array) -> tuple[jax.Array, ...]:
         """The layers as jax arrays on `like`'s devices, for the scatter."""
         raise NotImplementedError
 
     def layer_rows(self, layer: int) -> np.ndarray:
-        """Layer `layer` as a host array (for writes jaxkv makes outside XLA)."""
-        return self.host[layer]
+        """Layer `layer`'s blocks that hold data, as a host array (for writes jaxkv makes
+        outside XLA)."""
+        return self.host[layer][: self.blocks]
 
     @property
     def nbytes(self) -> int:

@@ -33,9 +33,11 @@ import numpy as np
 from jaxkv.connector import _foreign
 from jaxkv.connector._block_kernels import (
     block_starts,
+    bucket,
     gather_jit,
     gather_layers_jit,
     pick_layers_jit,
+    read_slots,
 )
 from jaxkv.connector._pool_views import PoolView
 from jaxkv.connector._records import BlockRecord, Segment, address, is_block_of
@@ -102,18 +104,21 @@ class TransferPath:
         for p in view.layout.parts:
             like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
             kind, device = self._staging_kind(like)
-            shape = (len(records), block_size, *p.row_shape)
+            # Device staging holds a `bucket` of blocks: the scatter compiles once per bucket.
+            n = len(records)
+            shape = (n if like is None else bucket(n), block_size, *p.row_shape)
             slot = stack.enter_context(
                 self.staging.borrow(kind, view.layout.part_layers(p), shape, p.bits_dtype, device)
             )
+            slot.blocks = n
             # Blocks a HostStore holds side by side (stored together) are one strided
             # array: one copy per layer instead of a stack of every block.
             blocks = as_one_array([r.parts[p.key] for r in records])
             for li, host in enumerate(slot.host):
                 if isinstance(blocks, np.ndarray):
-                    host[...] = blocks[:, li]
+                    host[:n] = blocks[:, li]
                 else:
-                    np.stack([r.parts[p.key][li] for r in records], out=host)
+                    np.stack([r.parts[p.key][li] for r in records], out=host[:n])
             staging.append(slot)
         return staging
 
@@ -343,11 +348,13 @@ def gather_blocks(view: PoolView, slots: np.ndarray, block_size: int) -> dict[st
     out = {}
     if device_parts:
         codecs = tuple(p.codec for p in device_parts)
-        starts = block_starts(slots, block_size)
+        n = len(slots) // block_size
+        padded = read_slots(slots, block_size)  # compiled once per `bucket` of blocks
+        starts = block_starts(padded, block_size)
         arrays = view.arrays(device_parts)
-        staged = gather_jit(arrays, slots.astype(np.int32), starts, codecs, block_size)
+        staged = gather_jit(arrays, padded.astype(np.int32), starts, codecs, block_size)
         jax.block_until_ready(staged)  # the snapshot is complete when this returns
-        out.update({p.key: to_host(x) for p, x in zip(device_parts, staged)})
+        out.update({p.key: to_host(x)[:n] for p, x in zip(device_parts, staged)})
     for p in view.layout.parts:
         layers = host[p.key]
         if layers is not None:
