@@ -14,6 +14,7 @@ import pytest
 import sgljax_trees as st
 
 from jaxkv.connector import BlockRecord, BlockStore, DiskStore
+from jaxkv.connector._block_kernels import scatter_donated
 from jaxkv.integrations.sglang_jax import storage
 from jaxkv.integrations.sglang_jax._store_sides import STALL_S, ReadAhead, TierCounters
 
@@ -167,7 +168,11 @@ def test_the_first_request_after_a_restart_gets_its_prefix_at_the_default_wait(
     restarted = st.build(cfg, np.random.default_rng(1), store=slow)  # default settings
     trees.append(restarted)
     assert restarted.tree.jaxkv.wait_s == storage.StoreSettings(store="host:1").wait_s
+    compiled = scatter_donated._cache_size()
     prefix, match = st.serve(restarted, tokens)
+    # The load ran a transfer the tier compiled when it was built, not on the request's path.
+    assert scatter_donated._cache_size() == compiled
+    assert restarted.tree.jaxkv.stats()["errors"] == 0
     n = len(tokens) // 16 * 16
     assert match.host_hit_length == n and len(prefix) == n
     np.testing.assert_array_equal(st.rows(restarted, prefix), want[:, :n])

@@ -30,6 +30,7 @@ from jax.typing import ArrayLike
 from jaxkv._checks import bool_arg, int_arg, int_vector, is_int, text_arg
 from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _hashing, _shards
+from jaxkv.connector._block_kernels import bucket
 from jaxkv.connector._declared import PoolLayout
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord
@@ -833,6 +834,41 @@ class KVConnector:
             self._count("records_loaded", n_blocks)
         self._count("blocks_loaded", n_blocks)
         return _shards.rebuild(view, placed, written), n_blocks * bs
+
+    def precompile(self, pool: Pool, *, max_blocks: int) -> Pool:
+        """Compiles the device transfers `store` and `load` run for up to `max_blocks`
+        blocks, so that a serving loop's first store or load of a new size does not compile
+        on its critical path. Transfers run at a bucket of blocks (the next power of two),
+        so this compiles one gather and one scatter per bucket; it stores and loads nothing
+        and changes no entry of the pool.
+
+        Args:
+            pool: a pool of this connector's layout. Like `load`, a jaxkv pool is consumed:
+                use the returned one (a foreign pool's buffers are replaced in place).
+            max_blocks: the most blocks one call will move, a positive int.
+
+        Returns:
+            The pool.
+
+        Raises:
+            RuntimeError: the connector is closed.
+            ValueError: a `max_blocks` that is not a positive int, or a pool of another layout.
+        """
+        self._check_open()
+        top = bucket(int_arg("max_blocks", max_blocks))
+        for n in (1 << i for i in range(top.bit_length())):
+            view = self._view(pool)
+            if self._shards is None:
+                pool = self.transfer_path.precompile(view, n, self.block_size)
+                continue
+            view.check_replaceable()
+            placed = _shards.placements(view)
+            written = {}
+            for group, replicas in _shards.shard_views(self._shards, view):
+                for replica, device in zip(replicas, group.devices):
+                    written[device] = self.transfer_path.precompile(replica, n, self.block_size)
+            pool = _shards.rebuild(view, placed, written)
+        return pool
 
     def stats(self) -> dict[str, Any]:
         """Counters of this connector, each with one meaning (blocks are full blocks):

@@ -98,23 +98,34 @@ class TransferPath:
             staging = self._staged(stack, view, records, block_size)
             return view.write(slots, staging, block_size)
 
-    def _staged(self, stack, view, records, block_size) -> list[Staging]:
-        """Per part, staging borrowed for the rest of `stack` holding `records`' blocks."""
+    def precompile(self, view: PoolView, n_blocks: int, block_size: int):
+        """Compiles (by running) the device transfers of `n_blocks` blocks: a load's scatter
+        whose every block is dropped, so nothing is written, and, where a snapshot gathers on
+        the device, a gather of as many blocks. Returns what `write` returns."""
+        if self.name != "cpu":
+            gather_blocks(view, np.tile(np.arange(block_size), n_blocks), block_size)
+        with contextlib.ExitStack() as stack:
+            staging = self._staged(stack, view, [], block_size, room=n_blocks)
+            return view.write(np.empty(0, np.int64), staging, block_size)
+
+    def _staged(self, stack, view, records, block_size, room: int = 0) -> list[Staging]:
+        """Per part, staging borrowed for the rest of `stack` holding `records`' blocks (with
+        room for at least `room` blocks)."""
         staging = []
         for p in view.layout.parts:
             like = None if view.host_layers(p) is not None else view.arrays((p,))[0][0]
             kind, device = self._staging_kind(like)
             # Device staging holds a `bucket` of blocks: the scatter compiles once per bucket.
             n = len(records)
-            shape = (n if like is None else bucket(n), block_size, *p.row_shape)
+            shape = (n if like is None else bucket(max(n, room)), block_size, *p.row_shape)
             slot = stack.enter_context(
                 self.staging.borrow(kind, view.layout.part_layers(p), shape, p.bits_dtype, device)
             )
             slot.blocks = n
             # Blocks a HostStore holds side by side (stored together) are one strided
             # array: one copy per layer instead of a stack of every block.
-            blocks = as_one_array([r.parts[p.key] for r in records])
-            for li, host in enumerate(slot.host):
+            blocks = as_one_array([r.parts[p.key] for r in records]) if records else None
+            for li, host in enumerate(slot.host if records else ()):
                 if isinstance(blocks, np.ndarray):
                     host[:n] = blocks[:, li]
                 else:

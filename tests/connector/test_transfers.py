@@ -74,3 +74,42 @@ def test_every_path_round_trips_bit_exact_and_touches_no_other_row(transfer):
     assert n == 16
     assert np.array_equal(raw_rows(pool, dst), want)
     assert np.array_equal(raw_rows(pool, others), kept)
+
+
+# --------------------------------------------------------------------------------------------
+# Transfers compile per bucket of blocks, and precompile compiles them ahead
+
+
+@pytest.mark.parametrize("transfer", [None, "gather"])
+def test_precompile_compiles_every_bucket_and_changes_no_entry(transfer):
+    from jaxkv.connector._block_kernels import gather_jit, scatter_donated
+    from jaxkv.testing import assert_bits_equal
+
+    src = random_mha_pool(size=1024, layer_num=2, seed=3)
+    conn = KVConnector(src, HostStore(1 << 24), block_size=16, transfer=transfer)
+    dst = random_mha_pool(size=1024, layer_num=2, seed=4)
+    before = jax.tree.map(np.asarray, dst)
+    dst = conn.precompile(dst, max_blocks=40)  # buckets 1, 2, 4 ... 64
+    assert_bits_equal(dst, before)
+    compiled = scatter_donated._cache_size(), gather_jit._cache_size()
+    for n in (3, 37, 64):
+        tokens = np.arange(n * 16) + 1000 * n
+        conn.store(src, tokens, np.arange(1, n * 16 + 1))
+        dst, got = conn.load(dst, tokens, np.arange(1, n * 16 + 1))
+        assert got == n * 16
+        np.testing.assert_array_equal(
+            raw_rows(dst, np.arange(1, got + 1)), raw_rows(src, np.arange(1, got + 1))
+        )
+    # Block counts of 3, 37 and 64 ran at buckets of 4 and 64 blocks, compiled ahead.
+    assert (scatter_donated._cache_size(), gather_jit._cache_size()) == compiled
+
+
+def test_precompile_checks_its_arguments():
+    pool = random_mha_pool(size=64)
+    conn = KVConnector(pool, HostStore(1 << 20))
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="max_blocks"):
+            conn.precompile(pool, max_blocks=bad)
+    conn.close()
+    with pytest.raises(RuntimeError):
+        conn.precompile(pool, max_blocks=1)
