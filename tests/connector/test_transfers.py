@@ -88,7 +88,7 @@ def test_precompile_compiles_every_bucket_and_changes_no_entry(transfer):
     src = random_mha_pool(size=1024, layer_num=2, seed=3)
     conn = KVConnector(src, HostStore(1 << 24), block_size=16, transfer=transfer)
     dst = random_mha_pool(size=1024, layer_num=2, seed=4)
-    before = jax.tree.map(np.asarray, dst)
+    before = jax.tree.map(lambda x: np.array(x, copy=True), dst)  # copies: no view held
     dst = conn.precompile(dst, max_blocks=40)  # buckets 1, 2, 4 ... 64
     assert_bits_equal(dst, before)
     compiled = scatter_donated._cache_size(), gather_jit._cache_size()
