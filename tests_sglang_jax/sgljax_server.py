@@ -56,6 +56,7 @@ import importlib.abc
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -63,7 +64,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -521,13 +522,46 @@ def wait_until_settled(folder: Path, *, quiet_s: float = 2.0, timeout_s: float =
     Raises:
         TimeoutError: the folder stayed empty or kept changing for `timeout_s`.
     """
+    return wait_until_count_settles(
+        lambda: sum(1 for p in folder.rglob("*") if p.is_file()),
+        f"{folder}: files",
+        quiet_s=quiet_s,
+        timeout_s=timeout_s,
+    )
+
+
+def wait_until_count_settles(
+    count: Callable[[], int], what: str, *, quiet_s: float = 2.0, timeout_s: float = 60.0
+) -> int:
+    """Waits until `count()` is above 0 and stays the same for `quiet_s` (a store's records:
+    files in a folder, keys in a Redis database), polling it. Returns the count.
+
+    Raises:
+        TimeoutError: it stayed 0 or kept changing for `timeout_s`; `what` names it.
+    """
     deadline = time.monotonic() + timeout_s
-    count, since = -1, time.monotonic()
+    last, since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        now = sum(1 for p in folder.rglob("*") if p.is_file())
-        if now != count:
-            count, since = now, time.monotonic()
-        elif count > 0 and time.monotonic() - since >= quiet_s:
-            return count
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif last > 0 and time.monotonic() - since >= quiet_s:
+            return last
         time.sleep(0.2)
-    raise TimeoutError(f"{folder}: {count} files, still empty or changing after {timeout_s} s")
+    raise TimeoutError(f"{what}: {last}, still 0 or changing after {timeout_s} s")
+
+
+_HOST_POOL_LINE = re.compile(r"HiCache enabled: host pool=\d+ pages \(page_size=\d+, ~(\d+) tokens")
+
+
+def host_pool_tokens(log_path: Path) -> int:
+    """The tokens HiCache's host pool holds, from the line sglang-jax's `init_hicache` logs
+    (`--hicache-ratio` times the device pool's size).
+
+    Raises:
+        ServerError: the log has no such line (HiCache off, or sglang-jax changed it).
+    """
+    found = _HOST_POOL_LINE.findall(Path(log_path).read_text(errors="replace"))
+    if not found:
+        raise ServerError(f"{log_path}: no 'HiCache enabled: host pool=...' line")
+    return int(found[-1])
