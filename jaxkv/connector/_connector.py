@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import threading
 from collections.abc import Sequence
@@ -839,8 +840,9 @@ class KVConnector:
         """Compiles the device transfers `store` and `load` run for up to `max_blocks`
         blocks, so that a serving loop's first store or load of a new size does not compile
         on its critical path. Transfers run at a bucket of blocks (the next power of two),
-        so this compiles one gather and one scatter per bucket; it stores and loads nothing
-        and changes no entry of the pool.
+        so this compiles a gather and a scatter per bucket (each for blocks that are runs of
+        slots and for blocks that are not); it stores and loads nothing and changes no entry
+        of the pool.
 
         Args:
             pool: a pool of this connector's layout. Like `load`, a jaxkv pool is consumed:
@@ -856,17 +858,20 @@ class KVConnector:
         """
         self._check_open()
         top = bucket(int_arg("max_blocks", max_blocks))
-        for n in (1 << i for i in range(top.bit_length())):
+        bs, path = self.block_size, self.transfer_path
+        # Blocks that are runs of slots (windows of rows) and blocks that are not: an
+        # allocator hands out either, a busy one mostly the second.
+        for n, windows in itertools.product((1 << i for i in range(top.bit_length())), (1, 0)):
             view = self._view(pool)
             if self._shards is None:
-                pool = self.transfer_path.precompile(view, n, self.block_size)
+                pool = path.precompile(view, n, bs, bool(windows))
                 continue
             view.check_replaceable()
             placed = _shards.placements(view)
             written = {}
             for group, replicas in _shards.shard_views(self._shards, view):
                 for replica, device in zip(replicas, group.devices):
-                    written[device] = self.transfer_path.precompile(replica, n, self.block_size)
+                    written[device] = path.precompile(replica, n, bs, bool(windows))
             pool = _shards.rebuild(view, placed, written)
         return pool
 

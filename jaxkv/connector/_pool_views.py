@@ -67,8 +67,11 @@ class PoolView:
         parts = self.layout.parts if parts is None else parts
         return tuple(tuple(_device_array(b) for b in self.buffers(p)) for p in parts)
 
-    def write(self, slots: np.ndarray, staging: Sequence[Staging], block_size: int):
-        """Writes `staging` (one `Staging` per part) at `slots`; returns the pool.
+    def write(
+        self, slots: np.ndarray, staging: Sequence[Staging], block_size: int, windows: bool = True
+    ):
+        """Writes `staging` (one `Staging` per part) at `slots`; returns the pool. `windows`
+        False scatters row by row even where blocks are runs of slots (see `write_arrays`).
 
         `staging` holds one layer-major host array per part, `(layer_num, n_blocks, block_size,
         *row)`: each layer's slice is contiguous, so it reaches the device as its own zero-copy
@@ -89,8 +92,8 @@ class _JaxkvView(PoolView):
             for p in parts
         )
 
-    def write(self, slots, staging, block_size):
-        new = write_arrays(self.arrays(), self.layout.parts, slots, staging, block_size)
+    def write(self, slots, staging, block_size, windows=True):
+        new = write_arrays(self.arrays(), self.layout.parts, slots, staging, block_size, windows)
         return self.replace_buffers({p.attr: bufs for p, bufs in zip(self.layout.parts, new)})
 
     def replace_buffers(self, changes):
@@ -99,15 +102,19 @@ class _JaxkvView(PoolView):
         return pool
 
 
-def write_arrays(arrays, parts: Sequence[Part], slots, staging, block_size: int):
+def write_arrays(
+    arrays, parts: Sequence[Part], slots, staging, block_size: int, windows: bool = True
+):
     """Scatters `staging` (one `Staging` per part) at `slots` into `arrays` (per part, per
     layer, donated) in one jitted call; returns the new arrays. Staging of more blocks than
-    `slots` names (padded to a `bucket`) has its extra blocks dropped."""
+    `slots` names (padded to a `bucket`) has its extra blocks dropped. Blocks that are runs of
+    slots move as windows of rows unless `windows` is False (the other compiled variant, which
+    `precompile` also runs)."""
     codecs = tuple(p.codec for p in parts)
     staged = tuple(st.on_device(arrays[0][0]) for st in staging)
     bound = max(int(np.prod(bufs[0].shape[: p.codec.token_axes])) for bufs, p in zip(arrays, parts))
     slots = write_slots(slots, block_size, int(staged[0][0].shape[0]), bound)
-    starts = block_starts(slots, block_size)
+    starts = block_starts(slots, block_size) if windows else None
     new = scatter_donated(arrays, slots.astype(np.int32), starts, staged, codecs)
     warn_if_copied([b for bufs in arrays for b in bufs])
     if any(st.reused for st in staging):
@@ -199,7 +206,7 @@ class _ForeignView(PoolView):
             self._set(attr, layers)
         return self.pool
 
-    def write(self, slots, staging, block_size):
+    def write(self, slots, staging, block_size, windows=True):
         parts = self.layout.parts
         direct = self._check_writable()
         undo = []  # (layer view, codec, rows it held): what a failure puts back
@@ -218,6 +225,7 @@ class _ForeignView(PoolView):
                     slots,
                     [staging[i] for i in jax_parts],
                     block_size,
+                    windows,
                 )
         except BaseException:
             for buf, codec, rows in reversed(undo):

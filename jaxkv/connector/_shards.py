@@ -155,8 +155,8 @@ class ShardView(PoolView):
             return self._arrays
         return tuple(self._arrays[self._index[p.key]] for p in parts)
 
-    def write(self, slots, staging, block_size):
-        return write_arrays(self._arrays, self.layout.parts, slots, staging, block_size)
+    def write(self, slots, staging, block_size, windows=True):
+        return write_arrays(self._arrays, self.layout.parts, slots, staging, block_size, windows)
 
 
 def _local(shard) -> jax.Array:

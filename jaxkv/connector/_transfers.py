@@ -98,15 +98,17 @@ class TransferPath:
             staging = self._staged(stack, view, records, block_size)
             return view.write(slots, staging, block_size)
 
-    def precompile(self, view: PoolView, n_blocks: int, block_size: int):
+    def precompile(self, view: PoolView, n_blocks: int, block_size: int, windows: bool):
         """Compiles (by running) the device transfers of `n_blocks` blocks: a load's scatter
         whose every block is dropped, so nothing is written, and, where a snapshot gathers on
-        the device, a gather of as many blocks. Returns what `write` returns."""
+        the device, a gather of as many blocks; blocks as runs of slots (`windows`) or not,
+        the two variants an allocator's slots lead to. Returns what `write` returns."""
         if self.name != "cpu":
-            gather_blocks(view, np.tile(np.arange(block_size), n_blocks), block_size)
+            run = np.arange(block_size)
+            gather_blocks(view, np.tile(run if windows else run[::-1], n_blocks), block_size)
         with contextlib.ExitStack() as stack:
             staging = self._staged(stack, view, [], block_size, room=n_blocks)
-            return view.write(np.empty(0, np.int64), staging, block_size)
+            return view.write(np.empty(0, np.int64), staging, block_size, windows)
 
     def _staged(self, stack, view, records, block_size, room: int = 0) -> list[Staging]:
         """Per part, staging borrowed for the rest of `stack` holding `records`' blocks (with

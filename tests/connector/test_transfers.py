@@ -92,14 +92,16 @@ def test_precompile_compiles_every_bucket_and_changes_no_entry(transfer):
     dst = conn.precompile(dst, max_blocks=40)  # buckets 1, 2, 4 ... 64
     assert_bits_equal(dst, before)
     compiled = scatter_donated._cache_size(), gather_jit._cache_size()
+    rng = np.random.default_rng(0)
     for n in (3, 37, 64):
         tokens = np.arange(n * 16) + 1000 * n
         conn.store(src, tokens, np.arange(1, n * 16 + 1))
-        dst, got = conn.load(dst, tokens, np.arange(1, n * 16 + 1))
-        assert got == n * 16
-        np.testing.assert_array_equal(
-            raw_rows(dst, np.arange(1, got + 1)), raw_rows(src, np.arange(1, got + 1))
-        )
+        # Blocks as runs of slots, then scattered slots (no block a run): both compiled ahead.
+        for slots in (np.arange(1, n * 16 + 1), rng.permutation(np.arange(1, 1025))[: n * 16]):
+            dst, got = conn.load(dst, tokens, slots)
+            assert got == n * 16
+            want = raw_rows(src, np.arange(1, got + 1))
+            np.testing.assert_array_equal(raw_rows(dst, slots), want)
     # Block counts of 3, 37 and 64 ran at buckets of 4 and 64 blocks, compiled ahead.
     assert (scatter_donated._cache_size(), gather_jit._cache_size()) == compiled
 
