@@ -36,6 +36,8 @@ _RECHECK_S = 2.0
 # block lands or a prefetch ends). A healthy disk or Redis lands a batch in a few ms; the
 # window leaves room for a first read on a loaded machine (a new process's cold files).
 STALL_S = 0.5
+# Host memory for prefetched blocks mapped when the tier is built (at most its capacity).
+_PREALLOCATE = 64 << 20
 # Finished prefetches remembered (for _RECHECK_S), beyond those in flight.
 _KEPT_PREFETCHES = 4096
 # Block keys the write side remembers as stored (see KnownKeys).
@@ -175,7 +177,8 @@ class ReadAhead(BlockStore):
     ):
         super().__init__()
         self.store = store
-        self.cache = HostStore(capacity, preallocate_bytes=0)
+        # Some memory mapped and touched now, not on a restarted server's first store hit.
+        self.cache = HostStore(capacity, preallocate_bytes=min(capacity, _PREALLOCATE))
         self._max_blocks = max_blocks
         self._count_as = counters.count
         self._on_error = counters.failed
