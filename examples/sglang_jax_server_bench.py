@@ -35,7 +35,7 @@ their blocks; the folder is read first, so the flush and eviction cases read the
 second on the folder alone (restart), the third on Redis alone (second server). Every jaxkv
 setting but the store and the host pool is at its default.
 
-    SGLANG_JAX_SRC=$(cd ../shared/peers/sglang-jax/python && pwd) \\
+    SGLANG_JAX_SRC=/path/to/sglang-jax/python \\
     PYTHONPATH=$SGLANG_JAX_SRC:$PWD/tests_sglang_jax JAX_PLATFORMS=cpu \\
       .venv-sglang-jax/bin/python examples/sglang_jax_server_bench.py --json out.json
 
