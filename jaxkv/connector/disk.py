@@ -457,9 +457,11 @@ class DiskStore(ReportingStore):
         for victim in victims:
             # Counted only when this store removed the file: another process may have evicted
             # it first, and a file that stays (a failed removal) is found again by a rescan.
-            if self._remove(self._file(victim), call):
+            removed = self._remove(self._file(victim), call)
+            if removed:
                 self._count("evictions")
-            self._dropped([victim], "evicted")
+            if removed is not False:  # gone (here or by another process); a file that stays
+                self._dropped([victim], "evicted")  # is still held, and a rescan finds it
 
 
 def _folder_arg(path) -> str:

@@ -102,8 +102,14 @@ def test_precompile_compiles_every_bucket_and_changes_no_entry(transfer):
             assert got == n * 16
             want = raw_rows(src, np.arange(1, got + 1))
             np.testing.assert_array_equal(raw_rows(dst, slots), want)
-    # Block counts of 3, 37 and 64 ran at buckets of 4 and 64 blocks, compiled ahead.
-    assert (scatter_donated._cache_size(), gather_jit._cache_size()) == compiled
+    # Block counts of 3, 37 and 64 ran at buckets of 4 and 64 blocks, compiled ahead. The
+    # "pinned" path (the default on a GPU or TPU) keeps its snapshot at the exact block count,
+    # a segment a store keeps as it is: only its loads run at a bucket.
+    if conn.transfer_path.name == "pinned":
+        compiled, now = compiled[0], scatter_donated._cache_size()
+    else:
+        now = scatter_donated._cache_size(), gather_jit._cache_size()
+    assert now == compiled
 
 
 def test_precompile_checks_its_arguments():
