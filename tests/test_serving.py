@@ -645,7 +645,7 @@ def test_a_strict_store_that_cannot_read_fails_the_call_and_nothing_else():
     class Unreadable(HostStore):
         strict = True
 
-        def get_many(self, keys, *, stop_at_miss=False):
+        def get_many(self, keys, *, stop_at_miss=False, strict=None):
             raise OSError("disk gone")
 
     model, params = small_model()

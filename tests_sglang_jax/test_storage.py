@@ -303,9 +303,9 @@ class SlowStore(BlockStore):
         time.sleep(self.delay_s)
         return self.inner.get(key)
 
-    def get_many(self, keys, *, stop_at_miss=False):
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
         time.sleep(self.delay_s)
-        return self.inner.get_many(keys, stop_at_miss=stop_at_miss)
+        return self.inner.get_many(keys, stop_at_miss=stop_at_miss, strict=strict)
 
     def put(self, record):
         return self.inner.put(record)
@@ -321,9 +321,10 @@ class LyingStore(SlowStore):
     def __init__(self, inner: BlockStore):
         super().__init__(inner, 0.0)
 
-    def get_many(self, keys, *, stop_at_miss=False):
-        got = self.inner.get_many(keys, stop_at_miss=stop_at_miss)
-        return [r and dataclasses.replace(r, tokens=bytes(len(r.tokens))) for r in got]
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
+        got = self.inner.get_many(keys, stop_at_miss=stop_at_miss, strict=strict)
+        lies = [r and dataclasses.replace(r, tokens=bytes(len(r.tokens))) for r in got.values]
+        return dataclasses.replace(got, values=lies)
 
 
 def _recomputed(t: st.Tree, tokens) -> None:

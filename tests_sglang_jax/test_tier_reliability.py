@@ -25,7 +25,7 @@ import sgl_jax
 import sgljax_pools as sp
 import sgljax_trees as st
 
-from jaxkv.connector import BlockStore, DiskStore, HostStore
+from jaxkv.connector import BlockStore, DiskStore, HostStore, StoreResult
 from jaxkv.integrations.sglang_jax import _store_settings, _store_sides, serve, storage
 
 HERE = Path(__file__).resolve().parent
@@ -103,7 +103,7 @@ def test_a_block_the_store_evicted_is_written_again(trees, rng):
     for _ in range(3):
         _cached(t, _prompt(rng))
     keys = _keys(t, tokens)
-    assert set(keys) <= set(evicted) and not any(store.contains_many(keys))
+    assert set(keys) <= set(evicted) and not any(store.contains_many(keys).values)
 
     # Nothing read the store since: only the eviction itself can say the blocks are gone.
     want = _cached(t, tokens)  # recomputed at other device slots: other rows
@@ -173,14 +173,14 @@ class RefusedOnce(BlockStore):
         return self.inner.contains(key)
 
     def get(self, key):
-        return self.get_many([key])[0]
+        return self.get_many([key]).values[0]
 
-    def get_many(self, keys, *, stop_at_miss=False):
-        got = self.inner.get_many(keys, stop_at_miss=stop_at_miss)
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
+        got = self.inner.get_many(keys, stop_at_miss=stop_at_miss, strict=strict).values
         if got and got[0] is not None and not self.lied:
             self.lied = True
             got[0] = dataclasses.replace(got[0], tokens=bytes(len(got[0].tokens)))
-        return got
+        return StoreResult(got)
 
     def put(self, record):
         return self.inner.put(record)
@@ -245,7 +245,7 @@ def test_a_drop_during_a_write_is_not_remembered_as_held():
     record = _record("a" * 64)
     store = HostStore(record.nbytes + record.nbytes // 2, preallocate_bytes=0)
     known = _store_sides.KnownKeys(store)
-    assert known.put_many([record, _record("b" * 64)]) == [True, True]
+    assert known.put_many([record, _record("b" * 64)]).values == [True, True]
     assert not known.contains("a" * 64) and known.contains("b" * 64)
     known.close()
 

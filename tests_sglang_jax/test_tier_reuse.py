@@ -33,14 +33,14 @@ class _Slow(BlockStore):
         return self.store.contains(key)
 
     def get(self, key):
-        return self.get_many([key])[0]
+        return self.get_many([key]).values[0]
 
-    def get_many(self, keys, *, stop_at_miss=False):
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
         self.reads += 1
         if self.hang.is_set():
             self.resume.wait(10)
         time.sleep(self.delay_s)
-        return self.store.get_many(keys, stop_at_miss=stop_at_miss)
+        return self.store.get_many(keys, stop_at_miss=stop_at_miss, strict=strict)
 
     def put(self, record):
         return self.store.put(record)

@@ -38,7 +38,6 @@ from jaxkv.connector._records import BlockRecord
 from jaxkv.connector._replies import (
     answers,
     block_fault,
-    checked_bool,
     count_of,
     is_bool,
     is_record_or_none,
@@ -385,7 +384,7 @@ class KVConnector:
         asked = iter(
             self._call(
                 "read",
-                lambda ks, strict: self.backend.contains_many_result(
+                lambda ks, strict: self.backend.contains_many(
                     ks, stop_at_miss=stop_at_miss, strict=strict
                 ),
                 ask,
@@ -571,7 +570,7 @@ class KVConnector:
         try:
             self._call(
                 "write",
-                lambda batch, strict: self.backend.put_many_result(batch, strict=strict),
+                lambda batch, strict: self.backend.put_many(batch, strict=strict),
                 records,
                 None,
                 check=record_landed,
@@ -773,7 +772,7 @@ class KVConnector:
         records: list[BlockRecord] = []
         got = self._call(
             "read",
-            lambda ks, strict: self.backend.get_many_result(ks, stop_at_miss=True, strict=strict),
+            lambda ks, strict: self.backend.get_many(ks, stop_at_miss=True, strict=strict),
             keys,
             None,
             check=lambda answer: answers(answer, len(keys), is_record_or_none, "records"),
@@ -801,11 +800,11 @@ class KVConnector:
         `lookup` stops promising it and the next `store` writes the block again."""
         removed = self._call(
             "discard",
-            lambda k, strict: self.backend.discard_result(k, strict=strict),
-            key,
-            False,
-            check=checked_bool,
-        )
+            lambda ks, strict: self.backend.discard_many(ks, strict=strict),
+            [key],
+            [False],
+            check=lambda answer: answers(answer, 1, is_bool, "bools"),
+        )[0]
         if removed:
             self._count("discarded")
         return bool(removed)

@@ -55,7 +55,7 @@ def is_record_or_none(value) -> bool:
 
 def store_result(answer) -> StoreResult:
     """`answer` when it is a `StoreResult` whose `errors` is a tuple of `OSError`s (what the
-    `*_result` methods return); else `StoreReplyError` saying what came instead."""
+    batches return); else `StoreReplyError` saying what came instead."""
     if not isinstance(answer, StoreResult):
         raise StoreReplyError(f"expected a StoreResult, got {type(answer).__name__}")
     errors = answer.errors
@@ -77,12 +77,6 @@ def answers(answer, n: int, ok, what: str) -> list:
         if not ok(value):
             raise StoreReplyError(f"expected {what}, got {type(value).__name__} at [{i}]")
     return list(answer)
-
-
-def checked_bool(answer) -> bool:
-    if not is_bool(answer):
-        raise StoreReplyError(f"expected a bool, got {type(answer).__name__}")
-    return bool(answer)
 
 
 def stats_dict(answer) -> dict:

@@ -31,7 +31,7 @@ from jaxkv._checks import bool_arg, int_arg
 from jaxkv.connector import _records
 from jaxkv.connector._files import FileOps, IrregularFileError
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import Call, ReportingStore, StoreResult, each, upkeep
+from jaxkv.connector.stores import BatchStore, Call, StoreResult, each, upkeep
 
 __all__ = ["DiskStore", "FileOps", "IrregularFileError"]
 
@@ -51,7 +51,7 @@ STALE_TMP_SECONDS = 15 * 60
 RESCAN_SHARE = 1 / 16
 
 
-class DiskStore(ReportingStore):
+class DiskStore(BatchStore):
     """Blocks as files under `path`, evicting least-recently-used files past `capacity_bytes`
     (no limit when `None`). `fsync=True` also flushes each record to stable storage before
     it becomes visible.
@@ -59,7 +59,7 @@ class DiskStore(ReportingStore):
     Faults: a failed file operation (full or read-only disk, a file gone, a read error) is
     counted in `stats()["io_errors"]`, logged on the `jaxkv` logger and becomes a miss or a
     dropped write; with `strict=True` it is raised (`OSError`) instead, and the call stops
-    there. The `*_result` methods report each failure in their `StoreResult` and raise none
+    there. The batches report each failure in their `StoreResult` and raise none
     (a `KVConnector` decides). A failure while tidying up after a successful write (its
     rescan, its evictions) is counted and logged but never reported nor raised: the write did
     land.
@@ -251,29 +251,32 @@ class DiskStore(ReportingStore):
 
     # ---- the store interface ---------------------------------------------------------------
     # Each key is one `_contains`/`_get`/`_put`/`_discard` of the call it belongs to; the
-    # `*_result` methods run them key by key (`each`), and the plain methods call those.
+    # batches run them key by key (`each`), and the single-key methods call those.
 
-    def contains_many_result(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    def contains_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
     ) -> StoreResult[list[bool]]:
+        strict = self._strictness(strict)
         return each(self._contains, keys, False, stop_at_miss=stop_at_miss, strict=strict)
 
-    def get_many_result(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    def get_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
     ) -> StoreResult[list[BlockRecord | None]]:
+        strict = self._strictness(strict)
         return each(self._get, keys, None, stop_at_miss=stop_at_miss, strict=strict)
 
-    def put_many_result(
-        self, records: Sequence[BlockRecord], *, strict: bool
+    def put_many(
+        self, records: Sequence[BlockRecord], *, strict: bool | None = None
     ) -> StoreResult[list[bool]]:
-        return each(self._put, records, False, strict=strict)
+        return each(self._put, records, False, strict=self._strictness(strict))
 
-    def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]:
-        """Removes the file of `key`, if any (see `BlockStore.discard`). A file that cannot be
-        removed (counted in `io_errors`; raised by a strict `discard`) is never promised or
+    def discard_many(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> StoreResult[list[bool]]:
+        """Removes the file of each key, if any (see `BlockStore.discard`). A file that cannot
+        be removed (counted in `io_errors`; raised by a strict call) is never promised or
         served again by this store, until a `put` of the block replaces it."""
-        result = each(self._discard, [key], False, strict=strict)
-        return StoreResult(result.values[0], result.errors)
+        return each(self._discard, keys, False, strict=self._strictness(strict))
 
     def _contains(self, key: str, call: Call) -> bool:
         # The folder is the truth: another process sharing it may have written or evicted the

@@ -41,10 +41,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from jaxkv._checks import text_arg
+from jaxkv._checks import bool_arg, text_arg
 from jaxkv.connector import _records
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import BlockStore
+from jaxkv.connector.stores import BatchStore, StoreResult
 
 _INSTALL = (
     "RedisStore needs redis-py: install the extra with `pip install 'jaxkv[redis]'` "
@@ -145,7 +145,7 @@ def _server_fault(err: BaseException) -> bool:
     return isinstance(err, Exception) and not isinstance(err, MemoryError)
 
 
-class RedisStore(BlockStore):
+class RedisStore(BatchStore):
     """Blocks in a Redis or Valkey server at `url`, shared by every host pointed at it.
 
     Args:
@@ -368,20 +368,20 @@ class RedisStore(BlockStore):
     def _name(self, key: str) -> str:
         return self.key_prefix + key
 
-    def contains(self, key: str) -> bool:
-        return self.contains_many([key])[0]
+    # Each batch is one round trip. `strict` is checked and otherwise unused: the server's
+    # failures are answered as misses and dropped writes (see the class), never listed.
 
-    def get(self, key: str) -> BlockRecord | None:
-        return self.get_many([key])[0]
-
-    def put(self, record: BlockRecord) -> bool:
-        return self.put_many([record])[0]
-
-    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
+    def contains_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
+    ) -> StoreResult[list[bool]]:
         """Per key, whether the server holds a non-empty string under it (see `BlockStore`).
 
         A key holding another type is not held, and is deleted; the checksum of a held value
         is verified only when it is read."""
+        self._strictness(strict)
+        return StoreResult(self._contains(keys, bool_arg("stop_at_miss", stop_at_miss)))
+
+    def _contains(self, keys: Sequence[str], stop_at_miss: bool) -> list[bool]:
         if not keys:
             return []
         names = [self._name(k) for k in keys]
@@ -405,8 +405,12 @@ class RedisStore(BlockStore):
         return held
 
     def get_many(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False
-    ) -> list[BlockRecord | None]:
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
+    ) -> StoreResult[list[BlockRecord | None]]:
+        self._strictness(strict)
+        return StoreResult(self._get(keys, bool_arg("stop_at_miss", stop_at_miss)))
+
+    def _get(self, keys: Sequence[str], stop_at_miss: bool) -> list[BlockRecord | None]:
         if not keys:
             return []
         names = [self._name(k) for k in keys]
@@ -444,7 +448,13 @@ class RedisStore(BlockStore):
         self._remove_damaged(damaged)
         return records
 
-    def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
+    def put_many(
+        self, records: Sequence[BlockRecord], *, strict: bool | None = None
+    ) -> StoreResult[list[bool]]:
+        self._strictness(strict)
+        return StoreResult(self._put(records))
+
+    def _put(self, records: Sequence[BlockRecord]) -> list[bool]:
         if not records:
             return []
         commands = [("SET", self._name(r.key), _records.encode(r), "NX") for r in records]
@@ -470,22 +480,33 @@ class RedisStore(BlockStore):
             self._failed_command(failure)
         return stored
 
-    def discard(self, key: str) -> bool:
-        """Deletes the value under `key` (see `BlockStore.discard`); `False` when there was
-        none or the server failed (counted in `io_errors`, never raised)."""
+    def discard_many(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> StoreResult[list[bool]]:
+        """Deletes the value under each key (see `BlockStore.discard`); `False` where there
+        was none or the server failed (counted in `io_errors`, never raised)."""
+        self._strictness(strict)
+        if not keys:
+            return StoreResult([])
         replies = self._call(
-            [("DEL", self._name(key))], self._each(lambda r: _count_reply(r, at_most=1))
+            [("DEL", self._name(k)) for k in keys],
+            self._each(lambda r: _count_reply(r, at_most=1)),
         )
+        removed = [False] * len(keys)
         if replies is None:
-            return False
-        if isinstance(replies[0], self._error_reply):
-            self._failed_command(replies[0])
-            return False
-        if replies[0]:
-            self._count("discarded")
-            self._dropped([key], "discarded")
-            return True
-        return False
+            return StoreResult(removed)
+        failure = None
+        for i, reply in enumerate(replies):
+            if isinstance(reply, self._error_reply):
+                failure = failure or reply
+            elif reply:
+                removed[i] = True
+        if failure is not None:
+            self._failed_command(failure)
+        gone = [k for k, r in zip(keys, removed) if r]
+        self._count("discarded", len(gone))
+        self._dropped(gone, "discarded")
+        return StoreResult(removed)
 
     # ---- size ------------------------------------------------------------------------------
 

@@ -1,160 +1,60 @@
-"""The store interface every store implements: `BlockStore`, the `StoreResult` its calls
-report, its counters and failure log.
+"""The store interface every store implements: `BlockStore`, and `BatchStore` for stores
+whose work is done a batch at a time.
 
-A store maps block keys to `BlockRecord`s. It is deliberately small (`contains`, `get`, `put`,
-`stats`, plus batch forms that default to them) so that a host, disk, remote or tiered store
-is a few methods, and every store verifies what it serves: a record that fails a check is a
-miss, never data.
+A store maps block keys to `BlockRecord`s. Writing one takes four methods (`contains`, `get`,
+`put`, `__len__`); the batch forms the connector calls (`contains_many`, `get_many`,
+`put_many`, `discard_many`) default to them, key by key, so a host, disk, remote or tiered
+store is a few methods, and every store verifies what it serves: a record that fails a check
+is a miss, never data.
 
-Failures travel as values. Each batch method has a `*_result` form that takes the caller's
-strictness as an argument and returns a `StoreResult`: the answers and the I/O failures the
-call met, each already counted and logged by the store. Whoever starts a call decides its
-strictness once: a user calling a plain method gets the store's own `strict`; a `KVConnector`
-passes its choice. A strict call stops at its first failure; the caller then raises it.
+Failures travel as values. Each batch method takes the caller's strictness and returns a
+`StoreResult`: one answer per key or record, and the I/O failures the call met, each already
+counted and logged by the store. Whoever starts a call decides its strictness once: a user
+calling a method without `strict` gets the store's own; a `KVConnector` passes its choice. A
+strict call stops at its first failure; `StoreResult.answer(strict)` then raises it.
 """
 
 from __future__ import annotations
 
 import abc
-import collections
-import dataclasses
-import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from jaxkv._checks import bool_arg
+from jaxkv.connector._calls import (
+    Call,
+    DamageLog,
+    FailureLog,
+    Loan,
+    StoreResult,
+    each,
+    log,
+    upkeep,
+)
 from jaxkv.connector._records import BlockRecord
 from jaxkv.errors import StoreReplyError
 
-# Library logging: silent unless the application configures the "jaxkv" logger.
-log = logging.getLogger("jaxkv")
-log.addHandler(logging.NullHandler())
+__all__ = [
+    "BatchStore",
+    "BlockStore",
+    "Call",
+    "DamageLog",
+    "DropListener",
+    "FailureLog",
+    "Loan",
+    "StoreResult",
+    "each",
+    "log",
+    "upkeep",
+]
 
 T = TypeVar("T")
-Item = TypeVar("Item")
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreResult(Generic[T]):
-    """What one store call did: its answer and the I/O failures it met, as a value.
-
-    Attributes:
-        values: the answer the plain method gives (`contains_many`: one bool per key,
-            `get_many`: one record or `None` per key, `put_many`: one bool per record,
-            `discard`: one bool). A strict call that stopped at a failure answers a miss
-            (`False`, `None`) for every key or record it did not reach.
-        errors: the failures of the call's own work, in order, each an `OSError` the store
-            already counted in `io_errors` and logged. A lenient call went on past each (a
-            miss, a dropped write); a strict one stopped at its first, so it has at most one.
-            Upkeep after the call's work succeeded (a disk store's evictions) is not the
-            call's work: its failures are counted and logged, never listed.
-    """
-
-    values: T
-    errors: tuple[OSError, ...] = ()
-
-    def answer(self, strict: bool) -> T:
-        """`values`; when `strict`, the first error is raised instead (as a plain method
-        does)."""
-        if strict and self.errors:
-            raise self.errors[0]
-        return self.values
-
-
-class _Stop(Exception):
-    """Ends a strict call at its first failure. Raised by `BlockStore._failed` and caught by
-    the `Call` the failure belongs to (the failure itself is in `Call.errors`): it never
-    leaves the store."""
-
-
-class Call:
-    """One store call's strictness and the failures it met, handed down to the helpers that
-    do its work (`BlockStore._failed` notes each failure here).
-
-    Used as `with Call(strict) as call: ...`, which ends the block quietly when a strict call
-    stops; `call.result(values)` then reports what was done.
-    """
-
-    def __init__(self, strict: bool):
-        self.strict = bool_arg("strict", strict)
-        self.errors: list[OSError] = []
-
-    def __enter__(self) -> Call:
-        return self
-
-    def __exit__(self, kind, err, tb) -> bool:
-        return kind is not None and issubclass(kind, _Stop)
-
-    def absorb(self, result: StoreResult[T]) -> T:
-        """The values of a call this one made (a tier's), whose failures become this call's:
-        a strict call stops at them."""
-        self.errors += result.errors
-        if self.strict and result.errors:
-            raise _Stop
-        return result.values
-
-    def result(self, values: T) -> StoreResult[T]:
-        return StoreResult(values, tuple(self.errors))
-
-
-def upkeep() -> Call:
-    """A call for upkeep after a call's own work succeeded (a rescan, evictions): its
-    failures are counted and logged, never raised, and belong to no caller."""
-    return Call(False)
-
-
-class Loan(Protocol):
-    """Memory a store lent (`BlockStore.lend`)."""
-
-    def release(self) -> None:
-        """Gives back whatever of the loan no `put` kept."""
-
-
-class FailureLog:
-    """Counts failures per class and logs one warning line per class at its 1st, 2nd, 4th,
-    8th... occurrence, with the count so far: a failing disk cannot flood the log."""
-
-    def __init__(self, owner: str):
-        self.owner = owner
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-
-    def note(self, kind: str, err: BaseException) -> None:
-        with self._lock:
-            self.counts[kind] += 1
-            n = self.counts[kind]
-        if n & (n - 1) == 0:
-            log.warning("%s: %s failed (%d so far): %s", self.owner, kind, n, err)
-
 
 #: `BlockStore.on_drop` listeners: called with `(key, reason)`.
 DropListener = Callable[[str, str], None]
-
-# Keys a DamageLog remembers having logged (beyond them the oldest is logged again).
-_LOGGED_KEYS = 4096
-
-
-class DamageLog:
-    """Logs each damaged or refused record at WARNING, once per key (a bounded memory of the
-    keys logged): the key, who found it (`owner`), what failed and what was done, so that a
-    server's log says why a block was recomputed."""
-
-    def __init__(self, owner: str):
-        self.owner = owner
-        self._logged: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def note(self, key: str, why: str, done: str) -> None:
-        with self._lock:
-            if key in self._logged:
-                return
-            self._logged[key] = None
-            if len(self._logged) > _LOGGED_KEYS:
-                self._logged.popitem(last=False)
-        log.warning("%s: the record of key %s %s; %s", self.owner, key, why, done)
 
 
 _COUNTERS = (
@@ -176,17 +76,26 @@ _COUNTERS = (
 class BlockStore(abc.ABC):
     """Key -> `BlockRecord`. Implementations are thread-safe.
 
-    A subclass calls `super().__init__()` first and implements `contains`, `get`, `put` and
-    `__len__`; optionally `discard` (when it can remove a record) and `lend` (when it can
-    hand out memory that `put` then keeps without a copy). The batch methods default to the
-    single-key ones, key by key, and each `*_result` method defaults to its batch method.
+    The surface, one spelling per operation:
 
-    Errors: a store that meets I/O failures of its own reports them from its `*_result`
-    methods, counted in `io_errors` and logged; its plain methods raise the first one (an
-    `OSError`) only when the store is strict, and otherwise answer a miss or a dropped write.
-    A store may raise `ValueError` for a key it cannot name (`DiskStore`: not 64 lowercase
-    hex digits). An exception a store's method raises instead of reporting it (a store that
-    does not override the `*_result` methods) ends that call; the caller counts it.
+    - written by every store: `contains(key)`, `get(key)`, `put(record)`, `__len__`;
+    - optional: `discard(key)` (a store that can remove a record) and `lend` (a store that
+      can hand out memory that `put` then keeps without a copy);
+    - batches, each `(..., *, strict=None) -> StoreResult` with one answer per key or
+      record: `contains_many`, `get_many`, `put_many`, `discard_many`. They default to the
+      single-key methods, key by key; a store with cheaper batches (one round trip to a
+      server) overrides them, or subclasses `BatchStore` and writes only the batches;
+    - `stats()`, `on_drop(listener)`, the `strict` flag and `nbytes`.
+
+    A subclass calls `super().__init__()` first.
+
+    Errors: a store that meets I/O failures of its own reports them in its batches'
+    `StoreResult`s, counted in `io_errors` and logged; its single-key methods raise the first
+    one (an `OSError`) only when the store is strict, and otherwise answer a miss or a dropped
+    write. A store may raise `ValueError` for a key it cannot name (`DiskStore`: not 64
+    lowercase hex digits). In the default batches, an exception a single-key `contains`, `get`
+    or `discard` raises ends that call (the caller counts it); a `put` that raises is that
+    record's failure (see `put_many`).
 
     Whatever `contains` reports held, a `get` of it either returns the verified record or
     finds it damaged and removes it then (so that `contains` stops reporting it and the next
@@ -261,9 +170,10 @@ class BlockStore(abc.ABC):
 
     @property
     def strict(self) -> bool:
-        """Whether the plain methods raise I/O errors (after counting and logging them)
-        instead of turning them into a miss or a dropped write. A `KVConnector` calling the
-        store is strict when it or the store is, and passes that to the `*_result` methods.
+        """Whether the single-key methods, and batches called without `strict`, raise I/O
+        errors (after counting and logging them) instead of turning them into a miss or a
+        dropped write. A `KVConnector` calling the store is strict when it or the store is,
+        and passes that to the batches.
         Set it to a bool; anything else raises `TypeError` (a flag is never taken from
         truthiness: `"no"` would turn it on)."""
         return self._strict
@@ -272,14 +182,16 @@ class BlockStore(abc.ABC):
     def strict(self, value: bool) -> None:
         self._strict = bool_arg("strict", value)
 
+    def _strictness(self, strict: bool | None) -> bool:
+        """A batch's `strict` argument: the store's own when `None`."""
+        return self.strict if strict is None else bool_arg("strict", strict)
+
     def _failed(self, kind: str, err: OSError, call: Call) -> None:
         """Counts and logs one I/O failure of class `kind` (read, write, evict, scan...) met
         by `call`, which lists it; a strict call stops here."""
         self._count("io_errors")
         self._failures.note(kind, err)
-        call.errors.append(err)
-        if call.strict:
-            raise _Stop
+        call.fail(err)
 
     def stats(self) -> dict[str, int]:
         """Counters, each with one meaning:
@@ -385,7 +297,7 @@ class BlockStore(abc.ABC):
         this default cannot remove anything; it counts the call in `stats()["undiscarded"]`
         and returns `False`.
 
-        The connector calls it (through `discard_result`) for every record that fails its
+        The connector calls it (through `discard_many`) for every record that fails its
         checks, so that `contains` stops promising that record and the next `put` of the
         block writes a good one.
 
@@ -403,130 +315,81 @@ class BlockStore(abc.ABC):
 
     # ---- batches ---------------------------------------------------------------------------
     # The connector asks for all the blocks of a call at once, so that a remote store answers
-    # in one round trip. These defaults ask key by key; a store with cheaper batches
-    # overrides them and keeps their results.
+    # in one round trip. These defaults ask key by key.
 
-    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
-        """Per key, whether it is held. With `stop_at_miss`, only the leading run of held keys
-        is asked for: every entry from the first miss on is `False`.
+    def contains_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
+    ) -> StoreResult[list[bool]]:
+        """Per key, whether it is held (as `contains`).
 
         Args:
             keys: block keys, in order.
-            stop_at_miss: stop asking at the first key not held (a prefix lookup).
+            stop_at_miss: ask only for the leading run of held keys (a prefix lookup): every
+                entry from the first miss on is `False`.
+            strict: stop at the first failure; `None`: the store's own `strict`.
 
         Returns:
-            One bool per key, in order.
+            One bool per key, in order, and the failures met.
 
         Raises:
-            TypeError: a `stop_at_miss` that is not a bool.
-            OSError: as `contains`, only when strict.
+            TypeError: a `stop_at_miss` or `strict` that is not a bool.
         """
-        stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
-        held = []
-        for key in keys:
-            held.append(self.contains(key))
-            if stop_at_miss and not held[-1]:
-                return held + [False] * (len(keys) - len(held))
-        return held
+        return each(
+            lambda key, call: self.contains(key),
+            keys,
+            False,
+            stop_at_miss=stop_at_miss,
+            strict=self._strictness(strict),
+        )
 
     def get_many(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False
-    ) -> list[BlockRecord | None]:
-        """Per key, its verified record or `None`. With `stop_at_miss`, only the leading run of
-        held keys is read: every entry from the first miss on is `None`.
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
+    ) -> StoreResult[list[BlockRecord | None]]:
+        """Per key, its verified record or `None` (as `get`).
 
         Args:
             keys: block keys, in order.
-            stop_at_miss: stop reading at the first miss (a prefix load).
+            stop_at_miss: read only the leading run of held keys (a prefix load): every
+                entry from the first miss on is `None`.
+            strict: stop at the first failure; `None`: the store's own `strict`.
 
         Returns:
-            One record or `None` per key, in order.
+            One record or `None` per key, in order, and the failures met.
 
         Raises:
-            TypeError: a `stop_at_miss` that is not a bool.
-            OSError: as `get`, only when strict.
+            TypeError: a `stop_at_miss` or `strict` that is not a bool.
         """
-        stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
-        records: list[BlockRecord | None] = []
-        for key in keys:
-            records.append(self.get(key))
-            if stop_at_miss and records[-1] is None:
-                return records + [None] * (len(keys) - len(records))
-        return records
+        return each(
+            lambda key, call: self.get(key),
+            keys,
+            None,
+            stop_at_miss=stop_at_miss,
+            strict=self._strictness(strict),
+        )
 
-    def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
-        """`put` of each record, in order (the same rules on the records' memory).
-
-        Args:
-            records: the blocks to store, in order.
-
-        Returns:
-            One bool per record: whether it was newly stored (as `put`).
-
-        Raises:
-            OSError: as `put`, only when strict. What an error raised part way leaves
-                stored, only `put_many_result` can report (it puts record by record).
-        """
-        return [self.put(record) for record in records]
-
-    # ---- results ---------------------------------------------------------------------------
-    # The connector calls these, passing the strictness it decided; each reports its answer
-    # and the failures it met as a `StoreResult` and raises none of them. The defaults call
-    # the batch methods above and report no failure: a store whose methods raise leaves
-    # them, and its exception reaches the caller, which counts it. A store that meets
-    # failures of its own overrides these four (see `ReportingStore`).
-
-    def contains_many_result(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    def put_many(
+        self, records: Sequence[BlockRecord], *, strict: bool | None = None
     ) -> StoreResult[list[bool]]:
-        """`contains_many`, with its failures reported (see `StoreResult`).
-
-        Args:
-            keys, stop_at_miss: as `contains_many`.
-            strict: stop at the first failure.
-
-        Returns:
-            The answers of `contains_many`, and the failures met.
-        """
-        return StoreResult(self.contains_many(keys, stop_at_miss=stop_at_miss))
-
-    def get_many_result(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
-    ) -> StoreResult[list[BlockRecord | None]]:
-        """`get_many`, with its failures reported (see `StoreResult`).
-
-        Args:
-            keys, stop_at_miss: as `get_many`.
-            strict: stop at the first failure.
-
-        Returns:
-            The answers of `get_many`, and the failures met.
-        """
-        return StoreResult(self.get_many(keys, stop_at_miss=stop_at_miss))
-
-    def put_many_result(
-        self, records: Sequence[BlockRecord], *, strict: bool
-    ) -> StoreResult[list[bool]]:
-        """`put_many`, with its failures reported (see `StoreResult`): a write that fails part
-        way still says which records it stored.
+        """`put` of each record, in order (the same rules on the records' memory): a write
+        that fails part way still says which records it stored.
 
         This default puts record by record: a `put` that raises is that record's failure
         (counted in `io_errors` and logged; an exception other than an `OSError` is reported
         as a `StoreReplyError` naming it), never the records' before it, and a lenient call
-        goes on with the next record. A store that overrides `put_many` (one batch of its
-        own) is called through it instead: an exception it raises ends the call.
+        goes on with the next record.
 
         Args:
-            records: as `put_many`.
-            strict: stop at the first failure.
+            records: the blocks to store, in order.
+            strict: stop at the first failure; `None`: the store's own `strict`.
 
         Returns:
-            The answers of `put_many`, and the failures met.
-        """
-        if type(self).put_many is not BlockStore.put_many:
-            return StoreResult(self.put_many(records))
+            One bool per record (whether it was newly stored, as `put`), and the failures met.
 
-        def put(record: BlockRecord, call: Call):
+        Raises:
+            TypeError: a `strict` that is not a bool.
+        """
+
+        def put(record: BlockRecord, call: Call) -> bool:
             try:
                 return self.put(record)
             except OSError as err:
@@ -539,19 +402,26 @@ class BlockStore(abc.ABC):
             self._failed("write", failure, call)
             return False
 
-        return each(put, records, False, strict=strict)
+        return each(put, records, False, strict=self._strictness(strict))
 
-    def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]:
-        """`discard`, with its failures reported (see `StoreResult`).
+    def discard_many(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> StoreResult[list[bool]]:
+        """`discard` of each key, in order.
 
         Args:
-            key: as `discard`.
-            strict: stop at the first failure.
+            keys: the keys of records a caller found wrong.
+            strict: stop at the first failure; `None`: the store's own `strict`.
 
         Returns:
-            The answer of `discard`, and the failures met.
+            One bool per key (whether a record was removed), and the failures met.
+
+        Raises:
+            TypeError: a `strict` that is not a bool.
         """
-        return StoreResult(self.discard(key))
+        return each(
+            lambda key, call: self.discard(key), keys, False, strict=self._strictness(strict)
+        )
 
     @property
     def nbytes(self) -> int:
@@ -559,85 +429,46 @@ class BlockStore(abc.ABC):
         return self._bytes
 
 
-class ReportingStore(BlockStore):
-    """A `BlockStore` whose work is its `*_result` methods, which report failures as values
-    (`DiskStore`, `TieredStore`). Its plain methods call them under the store's own `strict`
-    and raise the first failure when it is set.
-
-    A subclass implements `contains_many_result`, `get_many_result`, `put_many_result`,
-    `discard_result` and `__len__`; `each` (below) runs a per-key method as one call.
+class BatchStore(BlockStore):
+    """A `BlockStore` whose work is its batches (`DiskStore`, `TieredStore`): a subclass
+    implements `contains_many`, `get_many`, `put_many`, `discard_many` and `__len__`, each
+    batch resolving its `strict` with `_strictness`; the single-key methods call them under
+    the store's own `strict` and raise the first failure when it is set. `each` (in
+    `jaxkv.connector.stores`) runs a per-key method as one call.
     """
 
-    def _plain(self, run: Callable[[bool], StoreResult[T]]) -> T:
+    def _one(self, run: Callable[[bool], StoreResult[list[T]]]) -> T:
         strict = self.strict  # read once: the call and what it raises agree
-        return run(strict).answer(strict)
+        return run(strict).answer(strict)[0]
 
     def contains(self, key: str) -> bool:
-        return self.contains_many([key])[0]
+        return self._one(lambda strict: self.contains_many([key], strict=strict))
 
     def get(self, key: str) -> BlockRecord | None:
-        return self.get_many([key])[0]
+        return self._one(lambda strict: self.get_many([key], strict=strict))
 
     def put(self, record: BlockRecord) -> bool:
-        return self.put_many([record])[0]
+        return self._one(lambda strict: self.put_many([record], strict=strict))
 
     def discard(self, key: str) -> bool:
-        return self._plain(lambda strict: self.discard_result(key, strict=strict))
-
-    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
-        return self._plain(
-            lambda strict: self.contains_many_result(keys, stop_at_miss=stop_at_miss, strict=strict)
-        )
-
-    def get_many(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False
-    ) -> list[BlockRecord | None]:
-        return self._plain(
-            lambda strict: self.get_many_result(keys, stop_at_miss=stop_at_miss, strict=strict)
-        )
-
-    def put_many(self, records: Sequence[BlockRecord]) -> list[bool]:
-        return self._plain(lambda strict: self.put_many_result(records, strict=strict))
+        return self._one(lambda strict: self.discard_many([key], strict=strict))
 
     @abc.abstractmethod
-    def contains_many_result(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    def contains_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
     ) -> StoreResult[list[bool]]: ...
 
     @abc.abstractmethod
-    def get_many_result(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    def get_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
     ) -> StoreResult[list[BlockRecord | None]]: ...
 
     @abc.abstractmethod
-    def put_many_result(
-        self, records: Sequence[BlockRecord], *, strict: bool
+    def put_many(
+        self, records: Sequence[BlockRecord], *, strict: bool | None = None
     ) -> StoreResult[list[bool]]: ...
 
     @abc.abstractmethod
-    def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]: ...
-
-
-def each(
-    one: Callable[[Item, Call], T],
-    items: Sequence[Item],
-    missing: T,
-    *,
-    stop_at_miss: bool = False,
-    strict: bool,
-) -> StoreResult[list[T]]:
-    """`one(item, call)` for every item, in order, as one call: it stops at the first failure
-    when `strict`, and at the first falsy answer with `stop_at_miss`; every item it did not
-    reach answers `missing`.
-
-    Raises:
-        TypeError: a `stop_at_miss` or `strict` that is not a bool.
-    """
-    stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
-    answers = [missing] * len(items)
-    with Call(strict) as call:
-        for i, item in enumerate(items):
-            answers[i] = one(item, call)
-            if stop_at_miss and not answers[i]:
-                break
-    return call.result(answers)
+    def discard_many(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> StoreResult[list[bool]]: ...

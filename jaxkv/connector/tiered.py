@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from jaxkv._checks import bool_arg
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import BlockStore, Call, ReportingStore, StoreResult, upkeep
+from jaxkv.connector.stores import BatchStore, BlockStore, Call, StoreResult, upkeep
 
 T = TypeVar("T")
 
@@ -21,7 +21,7 @@ T = TypeVar("T")
 _FROM_TIERS = ("verification_failures", "evictions", "io_errors", "rejected", "undiscarded")
 
 
-class TieredStore(ReportingStore):
+class TieredStore(BatchStore):
     """Several stores as one, fastest first: reads try tiers in order and promote hits into
     the faster tiers; writes go to every tier (write-through).
 
@@ -119,10 +119,9 @@ class TieredStore(ReportingStore):
         **kwargs,
     ) -> T:
         """A tier's answer to `method(*args, **kwargs, strict=call.strict)` (one of its
-        `*_result` methods), whose
-        failures become `call`'s (a strict call stops at them). An `OSError` the tier raises
-        instead is the stack's failure of `kind`, counted and logged here; the tier then
-        answers `failed`."""
+        batches), whose failures become `call`'s (a strict call stops at them). An `OSError`
+        the tier raises instead is the stack's failure of `kind`, counted and logged here;
+        the tier then answers `failed`."""
         try:
             result = method(*args, **kwargs, strict=call.strict)
         except OSError as err:
@@ -141,7 +140,7 @@ class TieredStore(ReportingStore):
     ) -> list:
         """Per key, `(tier index, answer)` from the first tier that has it, or `None`.
 
-        `method(tier)` is the tier's batch `*_result` method to ask. Without
+        `method(tier)` is the tier's batch to ask. Without
         `stop_at_miss`, each tier is asked once, for the keys the faster tiers lacked. With
         it, the leading run is followed from tier to tier: the fastest tier holding the next
         key answers the run it holds from there; a tier is not asked again at the key it has
@@ -178,21 +177,21 @@ class TieredStore(ReportingStore):
                 break
         return found
 
-    def contains_many_result(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    def contains_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
     ) -> StoreResult[list[bool]]:
         stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
         found: list = [None] * len(keys)
-        with Call(strict) as call:
-            found = self._find(keys, lambda tier: tier.contains_many_result, stop_at_miss, call)
+        with Call(self._strictness(strict)) as call:
+            found = self._find(keys, lambda tier: tier.contains_many, stop_at_miss, call)
         return call.result([f is not None for f in found])
 
-    def get_many_result(
-        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool
+    def get_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
     ) -> StoreResult[list[BlockRecord | None]]:
         stop_at_miss = bool_arg("stop_at_miss", stop_at_miss)
-        with Call(strict) as call:
-            found = self._find(keys, lambda tier: tier.get_many_result, stop_at_miss, call)
+        with Call(self._strictness(strict)) as call:
+            found = self._find(keys, lambda tier: tier.get_many, stop_at_miss, call)
             # Promotion: what tier t answered goes into tiers 0..t-1, one batch per tier.
             promoted = 0
             for t in range(len(self.tiers) - 1):
@@ -220,7 +219,7 @@ class TieredStore(ReportingStore):
         the tier raised it), and never the read's: the read already has its records.
         """
         try:
-            result = tier.put_many_result(records, strict=strict)
+            result = tier.put_many(records, strict=strict)
         except OSError as err:
             self._failed("promotion", err, upkeep())
             return 0
@@ -228,18 +227,18 @@ class TieredStore(ReportingStore):
 
     # ---- writes ----------------------------------------------------------------------------
 
-    def put_many_result(
-        self, records: Sequence[BlockRecord], *, strict: bool
+    def put_many(
+        self, records: Sequence[BlockRecord], *, strict: bool | None = None
     ) -> StoreResult[list[bool]]:
         """Writes every record to every tier; a record is stored when some tier newly stored
         it. A strict call stops at the first tier that fails, and reports what the tiers
         stored until then."""
         stored = [False] * len(records)
         try:
-            with Call(strict) as call:
+            with Call(self._strictness(strict)) as call:
                 for tier in self.tiers:
                     answers = self._ask(
-                        "write", call, [False] * len(records), tier.put_many_result, records
+                        "write", call, [False] * len(records), tier.put_many, records
                     )
                     stored[: len(answers)] = [a or b for a, b in zip(stored, answers)]
         finally:
@@ -250,15 +249,19 @@ class TieredStore(ReportingStore):
                 )
         return call.result(stored)
 
-    def discard_result(self, key: str, *, strict: bool) -> StoreResult[bool]:
-        """Removes the record of `key` from every tier (the wrong record was promoted into the
-        faster ones too); `True` when some tier removed one. Every tier is asked, strict or
-        not: a tier's failure does not stop the others, and the result lists them all."""
-        removed, errors = False, []
+    def discard_many(
+        self, keys: Sequence[str], *, strict: bool | None = None
+    ) -> StoreResult[list[bool]]:
+        """Removes the record of each key from every tier (the wrong record was promoted into
+        the faster ones too); a key's answer is `True` when some tier removed one. Every tier
+        is asked, strict or not: a tier's failure does not stop the others, and the result
+        lists them all."""
+        strict = self._strictness(strict)
+        removed, errors = [False] * len(keys), []
         for tier in self.tiers:
             with Call(strict) as call:  # a strict failure stops this tier, never the others
-                removed = self._ask("discard", call, False, tier.discard_result, key) or removed
+                answers = self._ask("discard", call, [False] * len(keys), tier.discard_many, keys)
+                removed = [a or bool(b) for a, b in zip(removed, answers)]
             errors += call.errors
-        if removed:
-            self._count("discarded")
+        self._count("discarded", sum(removed))
         return StoreResult(removed, tuple(errors))

@@ -410,7 +410,7 @@ def test_disk_store_never_follows_a_link_to_a_record_elsewhere(tmp_path):
 def test_disk_store_never_follows_a_linked_subfolder(tmp_path):
     other = DiskStore(tmp_path / "other")
     records = [_disk_record(i) for i in (0x10, 0x11)]  # keys in subfolder "00"
-    assert other.put_many(records) == [True, True]
+    assert other.put_many(records).values == [True, True]
     sub = os.path.dirname(record_path(tmp_path / "mine", records[0].key))
     os.makedirs(os.path.dirname(sub))
     os.symlink(os.path.dirname(record_path(tmp_path / "other", records[0].key)), sub)
@@ -948,9 +948,9 @@ def test_a_failed_eviction_is_not_counted_nor_fails_the_write_that_landed(tmp_pa
     probe.put(records[0])
     size = probe.nbytes
     store, fs = _disk(tmp_path, capacity_bytes=2 * size, strict=strict)
-    assert store.put_many(records[:2]) == [True, True]
+    assert store.put_many(records[:2]).values == [True, True]
     fs.fail("unlink", errno.EACCES)
-    assert store.put_many(records[2:]) == [True, True]  # each evicts, and removing fails
+    assert store.put_many(records[2:]).values == [True, True]  # each evicts, and removing fails
     st = store.stats()
     assert st["evictions"] == 0 and st["io_errors"] >= 2 and st["blocks_stored"] == 4
     assert _kvb_files(tmp_path / "blocks") == 4
@@ -967,7 +967,7 @@ def test_a_failed_promotion_keeps_the_records_read(tmp_path, stored_first):
     fast, fs = _disk(tmp_path / "fast", strict=True)
     fs.fail("mkdir", errno.ENOSPC, after=stored_first)  # the fast disk fills up
     stack = TieredStore(fast, slow)
-    got = stack.get_many([r.key for r in records])
+    got = stack.get_many([r.key for r in records]).values
     assert [g.key for g in got] == [r.key for r in records]
     st = stack.stats()
     assert st["promotions"] == stored_first == len(fast)
@@ -1021,6 +1021,6 @@ def test_a_failed_write_names_the_whole_path(tmp_path):
     key = block_key(7)
     sub = os.path.join(store.path, key[:2])
     open(sub, "w").close()  # a file where its subfolder goes
-    errors = store.put_many_result([small_record(key, 1.0)], strict=False).errors
+    errors = store.put_many([small_record(key, 1.0)], strict=False).errors
     # The lookup before the write, then the write's own mkdir: each names the subfolder.
     assert [e.filename for e in errors] == [sub, sub], errors

@@ -41,7 +41,7 @@ def test_host_store_keeps_lent_memory_it_filled_without_a_copy(monkeypatch):
     store = HostStore(1 << 12)
     records, reservation = _fill_lent(store, 2, 5.0)
     monkeypatch.setattr(stores_module, "_copy_into", None)  # a copy would raise TypeError
-    assert store.put_many(records) == [True, True]
+    assert store.put_many(records).values == [True, True]
     reservation.release()  # nothing left to give back
     for i, record in enumerate(records):
         got = store.get(record.key)
@@ -66,7 +66,7 @@ def test_host_store_takes_back_lent_memory_no_put_kept():
     assert len(store) == 0 and store.memory_bytes == 4 * record_bytes
     assert store.put(_record("lent2.0-0", 9.0))
     records, reservation = _fill_lent(store, 2, 2.0)
-    assert store.put_many(records) == [False, True]  # the first key was already there
+    assert store.put_many(records).values == [False, True]  # the first key was already there
     del records
     reservation.release()  # the duplicate's memory comes back...
     assert store.put(_record("a", 3.0)) and store.put(_record("b", 4.0))  # ...so both fit

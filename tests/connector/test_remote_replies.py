@@ -110,10 +110,10 @@ def _heals(store: RedisStore, server: FakeRedis, record: BlockRecord = RECORDS[3
     server.script = None
     server.data.clear()
     time.sleep(3 * RETRY_S)
-    assert store.contains_many([record.key]) == [False]
-    assert store.put_many([record]) == [True]
-    assert store.contains_many([record.key]) == [True]
-    assert _same(store.get_many([record.key])[0], record)
+    assert store.contains_many([record.key]).values == [False]
+    assert store.put_many([record]).values == [True]
+    assert store.contains_many([record.key]).values == [True]
+    assert _same(store.get_many([record.key]).values[0], record)
     # At least that block: the server may still run commands a failed call had sent, as a
     # real one runs whatever it received before the client hung up.
     assert store.stats()["blocks"] >= 1
@@ -127,11 +127,14 @@ def _delta(before: dict, after: dict, name: str) -> int:
 def _calls(store: RedisStore):
     keys = [r.key for r in RECORDS[:2]]
     return {
-        "contains_many": (lambda: store.contains_many(keys), [False, False]),
-        "contains_many_stop": (lambda: store.contains_many(keys, stop_at_miss=True), [False] * 2),
-        "get_many": (lambda: store.get_many(keys), [None, None]),
-        "get_many_stop": (lambda: store.get_many(keys, stop_at_miss=True), [None, None]),
-        "put_many": (lambda: store.put_many(RECORDS[:2]), [False, False]),
+        "contains_many": (lambda: store.contains_many(keys).values, [False, False]),
+        "contains_many_stop": (
+            lambda: store.contains_many(keys, stop_at_miss=True).values,
+            [False] * 2,
+        ),
+        "get_many": (lambda: store.get_many(keys).values, [None, None]),
+        "get_many_stop": (lambda: store.get_many(keys, stop_at_miss=True).values, [None, None]),
+        "put_many": (lambda: store.put_many(RECORDS[:2]).values, [False, False]),
         "len": (lambda: len(store), 0),
         "nbytes": (lambda: store.nbytes, 0),
         "stats": (
@@ -191,9 +194,9 @@ def test_ok_to_everything_is_read_as_failures_and_a_damaged_value(fake, caplog):
     answers = []
     with caplog.at_level(logging.WARNING, logger="jaxkv"):
         for call in (
-            lambda: store.contains_many([key]),
-            lambda: store.get_many([key]),
-            lambda: store.put_many(RECORDS[:1]),
+            lambda: store.contains_many([key]).values,
+            lambda: store.get_many([key]).values,
+            lambda: store.put_many(RECORDS[:1]).values,
             lambda: len(store),
             lambda: store.nbytes,
             lambda: store.discard(key),
@@ -217,13 +220,15 @@ def test_ok_to_everything_is_read_as_failures_and_a_damaged_value(fake, caplog):
 
 def test_get_and_mget_answered_with_integers_are_misses(fake):
     store = _store(fake)
-    assert store.put_many(RECORDS[:2]) == [True, True]
+    assert store.put_many(RECORDS[:2]).values == [True, True]
     fake.script = lambda args: integer(5) if args[0] in (b"GET", b"MGET") else None
-    assert store.get_many([r.key for r in RECORDS[:2]]) == [None, None]
+    assert store.get_many([r.key for r in RECORDS[:2]]).values == [None, None]
     assert store.stats()["io_errors"] == 1
     fake.script = None
     time.sleep(3 * RETRY_S)
-    assert all(_same(*pair) for pair in zip(store.get_many([r.key for r in RECORDS[:2]]), RECORDS))
+    assert all(
+        _same(*pair) for pair in zip(store.get_many([r.key for r in RECORDS[:2]]).values, RECORDS)
+    )
 
 
 def test_a_late_tail_of_a_garbled_reply_is_not_read_by_the_next_call(fake):
@@ -240,28 +245,31 @@ def test_a_late_tail_of_a_garbled_reply_is_not_read_by_the_next_call(fake):
         return Reply(bulk(b"OK"), later=integer(1), delay=0.5)
 
     fake.script = script
-    assert store.contains_many([RECORDS[0].key]) == [False]
+    assert store.contains_many([RECORDS[0].key]).values == [False]
     assert store.stats()["io_errors"] == 1
     time.sleep(3 * RETRY_S)
-    assert store.contains_many([RECORDS[1].key]) == [False]  # not held: not the stale `1`
-    assert store.put_many(RECORDS[1:2]) == [True]
-    assert store.contains_many([RECORDS[1].key]) == [True]
+    assert store.contains_many([RECORDS[1].key]).values == [False]  # not held: not the stale `1`
+    assert store.put_many(RECORDS[1:2]).values == [True]
+    assert store.contains_many([RECORDS[1].key]).values == [True]
     assert store.stats()["io_errors"] == 1
 
 
 def test_a_reply_cut_and_left_hanging_costs_the_timeout_then_heals(fake):
     store = _store(fake, timeout_s=0.3)
     fake.script = _on_data(Reply(b"$100\r\nabc", hang=True))
-    assert store.get_many([RECORDS[0].key]) == [None]
+    assert store.get_many([RECORDS[0].key]).values == [None]
     stats = store.stats()
     assert stats["io_errors"] >= 1 and stats["breaker_trips"] >= 1
     # Healed: a 0.3 s timeout can fire on a loaded machine, so a few tries, never wrong data.
     fake.script, deadline = None, time.monotonic() + 10
     while time.monotonic() < deadline:
         time.sleep(3 * RETRY_S)
-        if store.put_many(RECORDS[:1]) == [True] or store.contains_many([RECORDS[0].key])[0]:
+        if (
+            store.put_many(RECORDS[:1]).values == [True]
+            or store.contains_many([RECORDS[0].key]).values[0]
+        ):
             break
-    got = store.get_many([RECORDS[0].key])[0]
+    got = store.get_many([RECORDS[0].key]).values[0]
     assert got is None or _same(got, RECORDS[0])
     assert fake.data.get((PREFIX + RECORDS[0].key).encode()) == _records.encode(RECORDS[0])
 
@@ -270,8 +278,8 @@ def test_the_store_speaks_resp2_to_a_server_without_hello(fake):
     """Redis before 6 and many proxies know no `HELLO` (the fake answers it an error, as they
     do): the store must not need it, whatever redis-py's default protocol."""
     store = _store(fake)
-    assert store.put_many(RECORDS[:1]) == [True]
-    assert _same(store.get_many([RECORDS[0].key])[0], RECORDS[0])
+    assert store.put_many(RECORDS[:1]).values == [True]
+    assert _same(store.get_many([RECORDS[0].key]).values[0], RECORDS[0])
     assert b"HELLO" not in {c[0] for c in fake.commands}
     assert store.stats()["io_errors"] == 0
 
@@ -293,9 +301,9 @@ def test_an_error_reply_fails_its_command_and_only_a_down_server_trips(fake, cap
     store = _store(fake, retry_after_s=60, max_retry_after_s=60)
     fake.script = _on_data(reply)
     with caplog.at_level(logging.WARNING, logger="jaxkv"):
-        assert store.contains_many([RECORDS[0].key]) == [False]
-        assert store.get_many([RECORDS[0].key]) == [None]
-        assert store.put_many(RECORDS[:1]) == [False]
+        assert store.contains_many([RECORDS[0].key]).values == [False]
+        assert store.get_many([RECORDS[0].key]).values == [None]
+        assert store.put_many(RECORDS[:1]).values == [False]
         assert store.discard(RECORDS[0].key) is False
     stats = store.stats()
     assert stats["breaker_trips"] == (1 if trips else 0)
@@ -309,17 +317,17 @@ def test_an_error_reply_fails_its_command_and_only_a_down_server_trips(fake, cap
 def test_out_of_memory_is_a_rejected_write_not_an_io_failure(fake):
     store = _store(fake)
     fake.oom = True
-    assert store.put_many(RECORDS[:2]) == [False, False]
+    assert store.put_many(RECORDS[:2]).values == [False, False]
     stats = store.stats()
     assert (stats["rejected"], stats["dropped"], stats["io_errors"]) == (2, 2, 0)
     fake.oom = False
-    assert store.put_many(RECORDS[:2]) == [True, True]
+    assert store.put_many(RECORDS[:2]).values == [True, True]
 
 
 def test_stats_of_a_server_without_used_memory_is_an_io_failure(fake):
     store = _store(fake)
     fake.script = lambda args: bulk(b"# Memory\r\n") if args[0] == b"INFO" else None
-    assert store.put_many(RECORDS[:1]) == [True]
+    assert store.put_many(RECORDS[:1]).values == [True]
     stats = store.stats()
     assert (stats["blocks"], stats["bytes"], stats["io_errors"], stats["breaker_trips"]) == (
         0,
@@ -340,29 +348,29 @@ def test_a_key_of_another_type_is_no_block_and_is_deleted_so_a_store_repairs_it(
     name = (PREFIX + record.key).encode()
     fake.data[name] = [b"a list", b"not a record"]
     if found_by == "contains_many":
-        assert store.contains_many([record.key]) == [False]
+        assert store.contains_many([record.key]).values == [False]
     else:
-        assert store.get_many([record.key], stop_at_miss=True) == [None]
+        assert store.get_many([record.key], stop_at_miss=True).values == [None]
     assert name not in fake.data
     stats = store.stats()
     assert (stats["verification_failures"], stats["io_errors"]) == (1, 0)
     assert stats["round_trips"] == 2  # the reads, then the DEL of what was damaged
-    assert store.put_many([record]) == [True]
-    assert store.contains_many([record.key]) == [True]
-    assert _same(store.get_many([record.key])[0], record)
+    assert store.put_many([record]).values == [True]
+    assert store.contains_many([record.key]).values == [True]
+    assert _same(store.get_many([record.key]).values[0], record)
 
 
 def test_lookup_reports_only_strings_and_reads_use_per_key_commands(fake):
     """One round trip per call; a list between two blocks ends a prefix lookup there."""
     store = _store(fake)
-    assert store.put_many([RECORDS[0], RECORDS[2]]) == [True, True]
+    assert store.put_many([RECORDS[0], RECORDS[2]]).values == [True, True]
     fake.data[(PREFIX + RECORDS[1].key).encode()] = [b"x"]
     keys = [r.key for r in RECORDS[:3]]
     fake.commands.clear()
-    assert store.contains_many(keys, stop_at_miss=True) == [True, False, False]
+    assert store.contains_many(keys, stop_at_miss=True).values == [True, False, False]
     sent = [c[0] for c in fake.commands if c[0] not in HANDSHAKE]
     assert sent == [b"STRLEN"] * 3 + [b"DEL"]
-    got = store.get_many(keys)
+    got = store.get_many(keys).values
     assert _same(got[0], RECORDS[0]) and got[1] is None and _same(got[2], RECORDS[2])
 
 
@@ -372,12 +380,12 @@ def test_lookup_reports_only_strings_and_reads_use_per_key_commands(fake):
 
 def test_discard_deletes_counts_and_never_raises(fake):
     store = _store(fake)
-    assert store.put_many(RECORDS[:1]) == [True]
+    assert store.put_many(RECORDS[:1]).values == [True]
     assert store.discard(RECORDS[0].key) is True
     assert (PREFIX + RECORDS[0].key).encode() not in fake.data
     assert store.discard(RECORDS[0].key) is False  # nothing left
-    assert store.contains_many([RECORDS[0].key]) == [False]
-    assert store.put_many(RECORDS[:1]) == [True]  # the next store writes the block again
+    assert store.contains_many([RECORDS[0].key]).values == [False]
+    assert store.put_many(RECORDS[:1]).values == [True]  # the next store writes the block again
     stats = store.stats()
     assert (stats["discarded"], stats["undiscarded"], stats["io_errors"]) == (1, 0, 0)
     fake.script = _on_data(integer("abc"))
@@ -398,7 +406,7 @@ def test_exceptions_of_this_process_propagate_and_leave_the_store_working(fake, 
     import redis.connection
 
     store = _store(fake)
-    assert store.put_many(RECORDS[:1]) == [True]
+    assert store.put_many(RECORDS[:1]).values == [True]
     real = redis.connection.Connection.read_response
     raised = []
 
@@ -412,8 +420,8 @@ def test_exceptions_of_this_process_propagate_and_leave_the_store_working(fake, 
     with pytest.raises(exc):
         store.contains_many([RECORDS[0].key])  # its `STRLEN` reply is left unread
     assert store.stats()["io_errors"] == 0
-    assert store.contains_many([RECORDS[1].key]) == [False]  # not the unread reply
-    assert store.contains_many([RECORDS[0].key]) == [True]
+    assert store.contains_many([RECORDS[1].key]).values == [False]  # not the unread reply
+    assert store.contains_many([RECORDS[0].key]).values == [True]
 
 
 # --------------------------------------------------------------------------------------------
@@ -652,17 +660,17 @@ def test_fuzzed_replies_never_raise_never_serve_wrong_records_and_heal(
         store.close()
         return
     if method == "contains_many":
-        got = store.contains_many(keys, stop_at_miss=stop_at_miss)
+        got = store.contains_many(keys, stop_at_miss=stop_at_miss).values
         judged = script.judged(b"STRLEN", n_keys)
         assert all(isinstance(g, bool) for g in got)
         assert all(j == "yes" for g, j in zip(got, judged) if g)
     elif method == "get_many":
-        got = store.get_many(keys, stop_at_miss=stop_at_miss)
+        got = store.get_many(keys, stop_at_miss=stop_at_miss).values
         judged = script.judged(b"GET", n_keys)
         for record, asked, j in zip(got, records, judged):
             assert record is None or (j == "yes" and _same(record, asked))
     elif method == "put_many":
-        got = store.put_many(records)
+        got = store.put_many(records).values
         judged = script.judged(b"SET", n_keys)
         assert all(j == "yes" for g, j in zip(got, judged) if g)
     else:

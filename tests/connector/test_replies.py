@@ -29,11 +29,13 @@ class Relabelling(HostStore):
         self.swap: dict[str, str] = {}
         self.discards: list[str] = []
 
-    def get_many(self, keys, *, stop_at_miss=False):
-        return super().get_many([self.swap.get(k, k) for k in keys], stop_at_miss=stop_at_miss)
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
+        keys = [self.swap.get(k, k) for k in keys]
+        return super().get_many(keys, stop_at_miss=stop_at_miss, strict=strict)
 
-    def contains_many(self, keys, *, stop_at_miss=False):
-        return super().contains_many([self.swap.get(k, k) for k in keys], stop_at_miss=stop_at_miss)
+    def contains_many(self, keys, *, stop_at_miss=False, strict=None):
+        keys = [self.swap.get(k, k) for k in keys]
+        return super().contains_many(keys, stop_at_miss=stop_at_miss, strict=strict)
 
     def discard(self, key):
         self.discards.append(key)
@@ -126,13 +128,13 @@ class Garbage(BlockStore):
     def put(self, record):
         return self._answer()
 
-    def contains_many(self, keys, *, stop_at_miss=False):
+    def contains_many(self, keys, *, stop_at_miss=False, strict=None):
         return self._answer()
 
-    def get_many(self, keys, *, stop_at_miss=False):
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
         return self._answer()
 
-    def put_many(self, records):
+    def put_many(self, records, *, strict=None):
         return self._answer()
 
     def discard(self, key):

@@ -54,7 +54,7 @@ def _records(n: int, first: int = 0) -> list[BlockRecord]:
 
 def test_a_lenient_write_reports_every_failure_it_counted(tmp_path):
     store = DiskStore(tmp_path, _fs=FullDisk(2))
-    result = store.put_many_result(_records(4), strict=False)
+    result = store.put_many(_records(4), strict=False)
     assert result.values == [True, True, False, False]
     assert [e.errno for e in result.errors] == [errno.ENOSPC, errno.ENOSPC]
     st = store.stats()
@@ -64,7 +64,7 @@ def test_a_lenient_write_reports_every_failure_it_counted(tmp_path):
 
 def test_a_strict_write_stops_at_its_first_failure_and_says_what_landed(tmp_path):
     store = DiskStore(tmp_path, _fs=FullDisk(2))
-    result = store.put_many_result(_records(4), strict=True)
+    result = store.put_many(_records(4), strict=True)
     assert result.values == [True, True, False, False]  # the fourth was never tried
     (error,) = result.errors
     assert error.errno == errno.ENOSPC and store.stats()["io_errors"] == 1
@@ -74,7 +74,7 @@ def test_a_strict_write_stops_at_its_first_failure_and_says_what_landed(tmp_path
     # The plain method of a strict store is the same call, raised.
     store.strict = True
     with pytest.raises(OSError, match="No space"):
-        store.put_many(_records(1, first=8))
+        store.put_many(_records(1, first=8)).answer(True)
     assert store.stats()["io_errors"] == 2 and len(store) == 2
 
 
@@ -82,7 +82,7 @@ def test_upkeep_after_a_landed_write_is_counted_but_no_failure_of_the_call(tmp_p
     probe = DiskStore(tmp_path / "probe")
     probe.put(_records(1)[0])
     store = DiskStore(tmp_path / "blocks", capacity_bytes=2 * probe.nbytes, _fs=Undeletable())
-    result = store.put_many_result(_records(4), strict=True)
+    result = store.put_many(_records(4), strict=True)
     assert result.values == [True] * 4 and result.errors == ()  # every record landed
     st = store.stats()
     assert st["io_errors"] >= 2 and st["evictions"] == 0  # the evictions failed, counted
@@ -92,13 +92,13 @@ def test_upkeep_after_a_landed_write_is_counted_but_no_failure_of_the_call(tmp_p
 @pytest.mark.parametrize(
     "call",
     [
-        lambda store: store.put_many_result([], strict="no"),
-        lambda store: store.get_many_result([], strict=1),
-        lambda store: store.contains_many_result([], strict=None),
-        lambda store: store.discard_result(f"{0:064x}", strict="yes"),
+        lambda store: store.put_many([], strict="no"),
+        lambda store: store.get_many([], strict=1),
+        lambda store: store.contains_many([], strict=0),
+        lambda store: store.discard_many([f"{0:064x}"], strict="yes"),
     ],
 )
-def test_result_methods_take_strictness_as_a_bool(tmp_path, stack, call):
+def test_batches_take_strictness_as_a_bool(tmp_path, stack, call):
     store = DiskStore(tmp_path)
     with pytest.raises(TypeError, match="strict: expected a bool"):
         call(TieredStore(HostStore(1 << 20), store) if stack else store)
@@ -111,10 +111,10 @@ def test_result_methods_take_strictness_as_a_bool(tmp_path, stack, call):
 def test_a_stack_combines_its_tiers_results(tmp_path):
     host, disk = HostStore(1 << 20), DiskStore(tmp_path, _fs=FullDisk(1))
     stack = TieredStore(host, disk)
-    lenient = stack.put_many_result(_records(3), strict=False)
+    lenient = stack.put_many(_records(3), strict=False)
     assert lenient.values == [True] * 3  # stored: the host tier took each
     assert len(lenient.errors) == 2 and stack.stats()["io_errors"] == 2  # the disk's, once
-    strict = stack.put_many_result(_records(3, first=3), strict=True)
+    strict = stack.put_many(_records(3, first=3), strict=True)
     assert strict.values == [True] * 3 and len(strict.errors) == 1  # the disk stopped at once
     assert stack.stats()["blocks_stored"] == 6 and len(disk) == 1
 
@@ -140,12 +140,12 @@ def test_a_tier_that_raises_fails_the_stack_and_a_lenient_read_goes_on(tmp_path)
     slow = HostStore(1 << 20)
     slow.put(record)
     stack = TieredStore(RaisingTier(), slow)
-    lenient = stack.get_many_result([record.key], strict=False)
+    lenient = stack.get_many([record.key], strict=False)
     assert lenient.values[0].key == record.key  # the next tier answered
     assert [e.errno for e in lenient.errors] == [errno.EIO]
     st = stack.stats()
     assert (st["io_errors"], st["hits"], st["tiers"][0]["io_errors"]) == (1, 1, 0)  # the stack's
-    strict = stack.get_many_result([record.key], strict=True)
+    strict = stack.get_many([record.key], strict=True)
     assert strict.values == [None] and len(strict.errors) == 1
     assert stack.stats()["hits"] == 1 and slow.stats()["hits"] == 1  # nothing more was read
     stack.strict = True  # the plain methods of a strict stack raise it
@@ -159,8 +159,8 @@ def test_a_stack_discard_asks_every_tier_and_reports_each_failure(tmp_path):
     (record,) = _records(1)
     stack = TieredStore(first, second)
     assert stack.put(record)
-    result = stack.discard_result(record.key, strict=True)
-    assert result.values is False and [type(e) for e in result.errors] == [PermissionError] * 2
+    result = stack.discard_many([record.key], strict=True)
+    assert result.values == [False] and [type(e) for e in result.errors] == [PermissionError] * 2
     assert (first.stats()["io_errors"], second.stats()["io_errors"]) == (1, 1)
     assert not first.contains(record.key) and not second.contains(record.key)  # never promised
 
@@ -170,23 +170,23 @@ def test_a_stack_discard_asks_every_tier_and_reports_each_failure(tmp_path):
 
 
 class Recording(HostStore):
-    """A host store that notes the strictness each `*_result` call was given."""
+    """A host store that notes the strictness each batch call was given."""
 
     def __init__(self):
         super().__init__(1 << 20, preallocate_bytes=0)
         self.given: list[bool] = []
 
-    def contains_many_result(self, keys, *, stop_at_miss=False, strict):
+    def contains_many(self, keys, *, stop_at_miss=False, strict=None):
         self.given.append(strict)
-        return super().contains_many_result(keys, stop_at_miss=stop_at_miss, strict=strict)
+        return super().contains_many(keys, stop_at_miss=stop_at_miss, strict=strict)
 
-    def get_many_result(self, keys, *, stop_at_miss=False, strict):
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
         self.given.append(strict)
-        return super().get_many_result(keys, stop_at_miss=stop_at_miss, strict=strict)
+        return super().get_many(keys, stop_at_miss=stop_at_miss, strict=strict)
 
-    def put_many_result(self, records, *, strict):
+    def put_many(self, records, *, strict=None):
         self.given.append(strict)
-        return super().put_many_result(records, strict=strict)
+        return super().put_many(records, strict=strict)
 
 
 @pytest.mark.parametrize(
@@ -207,9 +207,9 @@ def test_the_connector_passes_the_strictness_it_decided(connector_strict, store_
 class HalfWrites(HostStore):
     """Stores the first half of every batch and reports a failure for the rest."""
 
-    def put_many_result(self, records, *, strict):
+    def put_many(self, records, *, strict=None):
         half = len(records) // 2
-        stored = super().put_many_result(records[:half], strict=strict).values
+        stored = super().put_many(records[:half], strict=strict).values
         self._count("io_errors")  # a reported failure is counted by the store that met it
         return StoreResult(stored + [False] * (len(records) - half), (OSError("half full"),))
 
@@ -235,7 +235,7 @@ class MalformedResults(HostStore):
         super().__init__(1 << 20, preallocate_bytes=0)
         self.result = result
 
-    def get_many_result(self, keys, *, stop_at_miss=False, strict):
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
         return self.result
 
 

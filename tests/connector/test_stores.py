@@ -212,12 +212,12 @@ def test_a_strict_write_failing_part_way_raises_and_counts_what_landed(error):
 def test_put_many_result_of_a_plain_store_lists_each_records_answer_and_the_failure():
     store = _FailingThird(OSError(5, "I/O error"))
     records = [small_record(block_key(i), i) for i in range(4)]
-    result = store.put_many_result(records, strict=False)
+    result = store.put_many(records, strict=False)
     assert result.values == [True, True, False, True]
     assert [str(e) for e in result.errors] == ["[Errno 5] I/O error"]
     assert store.stats()["io_errors"] == 1
     store = _FailingThird(OSError(5, "I/O error"))
-    result = store.put_many_result(records, strict=True)  # stops at the failure
+    result = store.put_many(records, strict=True)  # stops at the failure
     assert result.values == [True, True, False, False] and len(result.errors) == 1
     assert len(store) == 2
 
@@ -236,7 +236,7 @@ def test_host_store_reports_evictions_and_discards():
     records = [small_record(block_key(i), i, n=64) for i in range(3)]  # 256 bytes each
     store = HostStore(2 * 256, preallocate_bytes=0)
     drops = _Drops(store)
-    assert store.put_many(records) == [True, True, True]
+    assert store.put_many(records).values == [True, True, True]
     assert drops.seen == [(block_key(0), "evicted")]
     assert store.discard(block_key(2))
     assert drops.seen[-1] == (block_key(2), "discarded")
@@ -291,7 +291,7 @@ def test_a_failing_drop_listener_is_logged_and_the_store_goes_on(caplog):
 
     store.on_drop(broken)
     with caplog.at_level(logging.WARNING, logger="jaxkv"):
-        assert store.put_many([small_record(block_key(i), i, n=64) for i in range(2)]) == [
+        assert store.put_many([small_record(block_key(i), i, n=64) for i in range(2)]).values == [
             True,
             True,
         ]

@@ -29,7 +29,7 @@ def _stack(tmp_path):
 
 def test_writes_go_to_every_tier(tmp_path):
     stack = _stack(tmp_path)
-    assert stack.put_many([_record(1), _record(2)]) == [True, True]
+    assert stack.put_many([_record(1), _record(2)]).values == [True, True]
     assert [len(t) for t in stack.tiers] == [2, 2]
     assert stack.put(_record(1)) is False  # held by every tier
     stats = stack.stats()
@@ -57,9 +57,9 @@ def test_the_leading_run_follows_keys_from_tier_to_tier(tmp_path):
     disk.put(records[5])
     stack = TieredStore(host, disk)
     keys = [r.key for r in records]
-    assert stack.contains_many(keys, stop_at_miss=True) == [True] * 4 + [False] * 2
-    assert stack.contains_many(keys) == [True] * 4 + [False, True]
-    got = stack.get_many(keys, stop_at_miss=True)
+    assert stack.contains_many(keys, stop_at_miss=True).values == [True] * 4 + [False] * 2
+    assert stack.contains_many(keys).values == [True] * 4 + [False, True]
+    got = stack.get_many(keys, stop_at_miss=True).values
     assert [r is not None for r in got] == [True] * 4 + [False] * 2
     assert all(r.key == k for r, k in zip(got[:4], keys))
     assert len(host) == 4  # 1 and 3 promoted, 5 (past the gap) not read
@@ -101,7 +101,7 @@ def test_promotions_count_only_copies_a_faster_tier_stored(tmp_path):
     disk.put_many(records)
     tiny = HostStore(8, preallocate_bytes=0)  # smaller than any record: refuses them all
     stack = TieredStore(tiny, disk)
-    got = stack.get_many([r.key for r in records])
+    got = stack.get_many([r.key for r in records]).values
     assert [g.key for g in got] == [r.key for r in records]
     stats = stack.stats()
     assert stats["promotions"] == 0 and stats["tiers"][0]["rejected"] == 5

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jaxkv.connector import BlockStore, HostStore
+from jaxkv.connector import BlockRecord, BlockStore, HostStore, StoreResult
 from jaxkv.connector.stores import FailureLog
 
 log = logging.getLogger("jaxkv")
@@ -109,18 +109,25 @@ class KnownKeys(BlockStore):
         return self.store.get(key)
 
     def put(self, record) -> bool:
-        return self.put_many([record])[0]
+        strict = self.strict
+        return self.put_many([record], strict=strict).answer(strict)[0]
 
-    def put_many(self, records) -> list[bool]:
+    def put_many(self, records, *, strict: bool | None = None) -> StoreResult[list[bool]]:
+        strict = self._strictness(strict)
         keys = [r.key for r in records]
         with self._lock:
             call = self._calls = self._calls + 1
             dropped = self._watch[call] = set()
         answers: list[bool] = []
+        held: list[bool] = []
         try:
-            held = self.store.contains_many(keys)
+            asked = self.store.contains_many(keys, strict=strict)
+            if strict and asked.errors:
+                return StoreResult([False] * len(keys), asked.errors)
+            held = asked.values
             new = [r for r, h in zip(records, held) if not h]
-            written = iter(self.store.put_many(new) if new else ())
+            wrote = self.store.put_many(new, strict=strict) if new else StoreResult([])
+            written = iter(wrote.values)
             answers = [False if h else bool(next(written)) for h in held]
         finally:
             with self._lock:
@@ -128,7 +135,7 @@ class KnownKeys(BlockStore):
                 # Under the lock that ends the watch: a drop reported later finds the keys.
                 stored = zip(keys, held, answers) if answers else ()
                 self._remember([k for k, h, w in stored if (h or w) and k not in dropped])
-        return answers
+        return StoreResult(answers, asked.errors + wrote.errors if new else asked.errors)
 
     def __len__(self) -> int:
         return len(self.store)
@@ -206,19 +213,23 @@ class ReadAhead(BlockStore):
     def contains(self, key: str) -> bool:
         return self.cache.contains(key)
 
-    def contains_many(self, keys: Sequence[str], *, stop_at_miss: bool = False) -> list[bool]:
-        held = self.cache.contains_many(keys, stop_at_miss=stop_at_miss)
+    def contains_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
+    ) -> StoreResult[list[bool]]:
+        held = self.cache.contains_many(keys, stop_at_miss=stop_at_miss, strict=strict)
         if self._seen is not None:
-            self._seen.append((list(keys), list(held)))
+            self._seen.append((list(keys), list(held.values)))
         return held
 
     def get(self, key: str):
         return self.cache.get(key)
 
-    def get_many(self, keys: Sequence[str], *, stop_at_miss: bool = False):
-        got = self.cache.get_many(keys, stop_at_miss=stop_at_miss)
+    def get_many(
+        self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
+    ) -> StoreResult[list[BlockRecord | None]]:
+        got = self.cache.get_many(keys, stop_at_miss=stop_at_miss, strict=strict)
         if self._seen is not None:
-            self._seen.append((list(keys), [r is not None for r in got]))
+            self._seen.append((list(keys), [r is not None for r in got.values]))
         return got
 
     def put(self, record) -> bool:
@@ -282,7 +293,7 @@ class ReadAhead(BlockStore):
                 for i in range(0, len(keys), _BATCH):
                     batch = keys[i : i + _BATCH]
                     found = []
-                    for record in self.store.get_many(batch, stop_at_miss=True):
+                    for record in self.store.get_many(batch, stop_at_miss=True).values:
                         if record is None:
                             break
                         found.append(record)

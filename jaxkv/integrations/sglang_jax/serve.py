@@ -86,21 +86,21 @@ def probe(store: BlockStore) -> str | None:
     record = _probe_record()
     step = "writing"
     try:
-        stored = store.put_many_result([record], strict=True).answer(True)[0]
+        stored = store.put_many([record], strict=True).answer(True)[0]
         if not stored:  # maybe a probe an interrupted check left behind: once more without it
-            store.discard_result(PROBE_KEY, strict=False)
-            stored = store.put_many_result([record], strict=True).answer(True)[0]
+            store.discard_many([PROBE_KEY], strict=False)
+            stored = store.put_many([record], strict=True).answer(True)[0]
         if not stored:
             return f"{step} the probe record: the store did not keep it"
         step = "reading back"
-        got = store.get_many_result([PROBE_KEY], strict=True).answer(True)[0]
+        got = store.get_many([PROBE_KEY], strict=True).answer(True)[0]
         if got is None or not _same(got, record):
             answered = "nothing" if got is None else "another record"
             return f"{step} the probe record: the store answered {answered}"
         step = "removing"
-        if not store.discard_result(PROBE_KEY, strict=True).answer(True):
+        if not store.discard_many([PROBE_KEY], strict=True).answer(True)[0]:
             return f"{step} the probe record: the store did not remove it"
-        if store.contains_many_result([PROBE_KEY], strict=True).answer(True)[0]:
+        if store.contains_many([PROBE_KEY], strict=True).answer(True)[0]:
             return f"{step} the probe record: the store still holds it"
     except Exception as err:
         return f"{step} the probe record failed: {type(err).__name__}: {err}"
