@@ -19,7 +19,7 @@ from jaxkv.connector import _foreign
 from jaxkv.connector._block_kernels import block_starts, scatter_donated, write_slots
 from jaxkv.connector._declared import PoolLayout, recognised
 from jaxkv.connector._layout import Layout, Part, describe, layers_of
-from jaxkv.connector._staging import Staging
+from jaxkv.connector.transfer import Staging
 from jaxkv.errors import ConsumedPoolError
 
 

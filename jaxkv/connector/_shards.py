@@ -24,6 +24,7 @@ import jax
 
 from jaxkv.connector._layout import Layout, Part
 from jaxkv.connector._pool_views import PoolView, write_arrays
+from jaxkv.connector.transfer import has_explicit_axes, shard_span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,19 +67,9 @@ def placement(view: PoolView) -> jax.sharding.Sharding | None:
     if not isinstance(first, jax.Array):
         return None
     sharding = first.sharding
-    if len(sharding.device_set) == 1 and not _explicit(sharding):
+    if len(sharding.device_set) == 1 and not has_explicit_axes(sharding):
         return None
     return sharding
-
-
-def _explicit(sharding: jax.sharding.Sharding) -> bool:
-    mesh = getattr(sharding, "mesh", None)
-    types = getattr(mesh, "axis_types", ())
-    return any(t == jax.sharding.AxisType.Explicit for t in types)
-
-
-def _span(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple(sl.indices(dim)[:2] for sl, dim in zip(index, shape))
 
 
 def _split_label(part: Part, span, shape) -> str:
@@ -105,7 +96,7 @@ def plan(view: PoolView, layout: Layout, block_size: int) -> ShardPlan | None:
                 f"({buf.sharding}), got another placement"
             )
         for shard in buf.addressable_shards:
-            span = _span(shard.index, buf.shape)
+            span = shard_span(shard.index, buf.shape)
             per_device.setdefault(shard.device, []).append((p, span, buf.shape, shard.replica_id))
     groups: dict[str, list] = {}
     for device, parts in per_device.items():
@@ -174,7 +165,7 @@ def _auto_typed(x: jax.Array) -> jax.Array:
     """`x` on a copy of its mesh whose axes are all Auto, sharing its memory: gathers of the
     global array then leave their output sharding to the compiler, as on any jaxkv mesh."""
     sharding = x.sharding
-    if not isinstance(sharding, jax.sharding.NamedSharding) or not _explicit(sharding):
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not has_explicit_axes(sharding):
         return x
     mesh = sharding.mesh
     axes = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)

@@ -41,7 +41,7 @@ from jaxkv.connector._block_kernels import (
 )
 from jaxkv.connector._pool_views import PoolView
 from jaxkv.connector._records import BlockRecord, Segment, address, is_block_of
-from jaxkv.connector._staging import (
+from jaxkv.connector.transfer import (
     DeviceStaging,
     JoinedStaging,
     Staging,

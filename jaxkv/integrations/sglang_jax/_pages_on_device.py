@@ -28,17 +28,17 @@ cache asks for.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxkv.connector.transfer import CompileCache, has_explicit_axes, host_view, shard_span
 
 # A part of a page: the (start, stop) of each page axis that one device holds.
 PartKey = tuple[tuple[int, int], ...]
@@ -57,20 +57,6 @@ class Shard(NamedTuple):
 def chunk_sizes(n: int) -> list[int]:
     """The powers of two adding up to `n`, largest first (`chunk_sizes(13) == [8, 4, 1]`)."""
     return [1 << bit for bit in reversed(range(n.bit_length())) if n >> bit & 1]
-
-
-def _page_range(index: tuple[slice, ...] | None, pages: int) -> tuple[int, int]:
-    """The (start, stop) of the page axis in a shard's `index` (None: all)."""
-    if index is None:
-        return 0, pages
-    start, stop, _ = index[0].indices(pages)
-    return start, stop
-
-
-def _part_key(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> PartKey:
-    """The (start, stop) of each page axis of a shard's `index` in a batch (None: all)."""
-    full = (slice(None),) * len(shape)
-    return tuple(s.indices(dim)[:2] for s, dim in zip((index or full)[1:], shape[1:]))
 
 
 def movers_for(device_pool: Any, attrs: Sequence[str]) -> list[PageMover]:
@@ -152,10 +138,10 @@ class PageMover:
         self._index_sharding = NamedSharding(mesh, PartitionSpec())
         # Explicit axes type every array by its sharding: gathers and scatters name theirs.
         # Other meshes take the shardings from the compiled call's signature alone.
-        self._explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+        self._explicit = has_explicit_axes(sharding)
         one = (1, *self.page_shape)
         self.placement: dict[Any, PartKey] = {
-            dev: _part_key(index, one)
+            dev: shard_span(index, one)[1:]
             for dev, index in self.batch_sharding.addressable_devices_indices_map(one).items()
         }
         self.part_shapes: dict[PartKey, tuple[int, ...]] = {
@@ -167,8 +153,9 @@ class PageMover:
             self._reader.setdefault(key, dev)
         full = (self.pages, *self.page_shape)
         self.shards = [
-            Shard(dev, _part_key(index, full), *_page_range(index, self.pages))
+            Shard(dev, span[1:], *span[0])
             for dev, index in sharding.addressable_devices_indices_map(full).items()
+            for span in [shard_span(index, full)]
         ]
         # XLA:CPU scatters a float buffer as float32 (see the module docstring); its bits
         # scatter exactly. Accelerators scatter the buffer's own dtype, without a cast of it.
@@ -225,7 +212,8 @@ class PageMover:
         bits, `(stop - start, *part)` (`shards` says which). `writable` only for arrays from
         `claim`: nothing else may see them change."""
         return {
-            s.device: _bits_view(s.data, self.bits, writable) for s in buffer.addressable_shards
+            s.device: host_view(s.data, writable=writable, dtype=self.bits)
+            for s in buffer.addressable_shards
         }
 
     def parts(self, chunk: Chunk) -> dict[PartKey, tuple[jax.Array, ...]]:
@@ -282,19 +270,13 @@ class _Signature:
     scatter_bits: bool
 
 
-_COMPILED: dict[tuple[_Signature, str, int], Any] = {}
-_COMPILE_LOCK = threading.Lock()  # the D2H and H2D threads may ask for the same call
+# Shared by every pool of a process (the D2H and H2D threads may ask for the same call), the
+# most recently used kept: a server's pools share one signature, a test run meets many.
+_COMPILED = CompileCache(max_entries=256)
 
 
 def _executable(sig: _Signature, kind: str, size: int):
-    key = (sig, kind, size)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        with _COMPILE_LOCK:
-            compiled = _COMPILED.get(key)
-            if compiled is None:
-                compiled = _COMPILED[key] = _compile(sig, kind, size)
-    return compiled
+    return _COMPILED.get((sig, kind, size), lambda: _compile(sig, kind, size))
 
 
 def _compile(sig: _Signature, kind: str, size: int):
@@ -357,13 +339,3 @@ def _scatter_pages(sig: _Signature, buffers, chunk, src, dst):
             new = update.set(rows, mode="drop", unique_indices=True)
         out.append(jax.lax.bitcast_convert_type(new, sig.dtype) if sig.scatter_bits else new)
     return tuple(out)
-
-
-def _bits_view(x: jax.Array, bits: np.dtype, writable: bool) -> np.ndarray:
-    """A numpy view of the bits of `x`, a single-device array in host memory, that keeps `x`
-    alive (numpy's DLPack import has no bfloat16, so the address comes from XLA)."""
-    raw: Any = (ctypes.c_char * x.nbytes).from_address(x.unsafe_buffer_pointer())
-    raw.owner = x  # the view's base is `raw`; this ties `x` to it
-    view = np.frombuffer(raw, dtype=bits).reshape(x.shape)
-    view.flags.writeable = writable
-    return view

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from jaxkv.connector._staging import StagingCache, aligned_empty, host_view
+from jaxkv.connector.transfer import StagingCache, aligned_empty, host_view
 from jaxkv.integrations.sglang_jax._pages_on_device import PageMover, PartKey, Shard, chunk_sizes
 
 # Per family (the movers' order), the device pool's per-layer list of buffers.

@@ -1,4 +1,7 @@
-"""Staging memory between pools and stores: host views of device arrays and back.
+"""The transfer primitives every path that moves KV rows uses, the connector's and the
+integrations' alike: host views of device arrays (`host_view`), staging memory between pools
+and stores (`StagingCache`, `aligned_empty`), where a sharded array's pieces lie
+(`has_explicit_axes`, `shard_span`) and a bounded cache of compiled transfers (`CompileCache`).
 
 Fresh host memory costs a page fault per 4 KiB page on first touch, which makes a copy into it
 several times slower than memcpy into memory already touched (docs/performance.md), so
@@ -19,6 +22,7 @@ for the scatter to have read it).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import threading
@@ -89,21 +93,86 @@ def pinned_device(x, *, on_cpu: bool = False) -> Any:
     return dev if "pinned_host" in kinds else None
 
 
-def host_view(x: jax.Array, *, writable: bool = False) -> np.ndarray:
-    """A numpy view of a jax array in host memory (CPU, or pinned host) that keeps `x` alive.
+def host_view(x: jax.Array, *, writable: bool = False, dtype=None) -> np.ndarray:
+    """A numpy view of a single-device jax array in host memory (CPU, or pinned host) that
+    keeps `x` alive.
 
-    The address comes from DLPack (np.from_dlpack of a pinned host array is zero-copy on GPU),
-    but the view holds `x` itself rather than the DLPack capsule, so its lifetime is that of a
-    jax array (which holds its client), never that of a bare buffer reference. `writable`
-    views are for staging that jaxkv owns: it writes them only while no transfer reads them.
+    The view holds `x` itself rather than a DLPack capsule, so its lifetime is that of a jax
+    array (which holds its client), never that of a bare buffer reference. `writable` views
+    are for memory jaxkv owns: it writes them only while no transfer reads them.
+
+    Args:
+        x: the array.
+        writable: whether the view may be written.
+        dtype: view the bits as this dtype, of the same width (the unsigned int of a bfloat16
+            or float8 array: numpy's DLPack import has no such dtypes, so the address then
+            comes from XLA); default `x.dtype`, its address from DLPack (zero-copy for a
+            pinned host array on a GPU).
     """
     jax.block_until_ready(x)
-    address = dlpack_view(x).__array_interface__["data"][0]
+    if dtype is None:
+        dtype = x.dtype
+        address = dlpack_view(x).__array_interface__["data"][0]
+    else:
+        dtype = np.dtype(dtype)
+        if dtype.itemsize != x.dtype.itemsize:
+            raise ValueError(
+                f"dtype: expected a dtype {x.dtype.itemsize} bytes wide like {x.dtype}, got {dtype}"
+            )
+        address = x.unsafe_buffer_pointer()
     raw: Any = (ctypes.c_char * x.nbytes).from_address(address)
     raw.owner = x  # the view's base is `raw`; this ties `x` to it
-    view = np.frombuffer(raw, dtype=x.dtype).reshape(x.shape)
+    view = np.frombuffer(raw, dtype=dtype).reshape(x.shape)
     view.flags.writeable = writable
     return view
+
+
+def has_explicit_axes(sharding: jax.sharding.Sharding) -> bool:
+    """Whether `sharding` lies on a mesh with explicit axes, where a gather or scatter of the
+    global array must name its output sharding."""
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def shard_span(
+    index: tuple[slice, ...] | None, shape: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
+    """The `(start, stop)` of each axis of a shard's `index` (an `addressable_shards` entry's)
+    in an array of `shape`; None: the whole array."""
+    full = (slice(None),) * len(shape)
+    return tuple(sl.indices(dim)[:2] for sl, dim in zip(index or full, shape))
+
+
+class CompileCache:
+    """Compiled transfers keyed by their signature (shapes, dtypes, shardings, sizes), the
+    `max_entries` most recently used kept: a server's pools share them, and a process that
+    meets many signatures (a test run, a bench) does not keep them all.
+
+    `get(key, build)` returns the executable for `key`, calling `build()` once on a miss;
+    threads asking for the same key wait for one build.
+    """
+
+    def __init__(self, max_entries: int = 256):
+        if max_entries < 1:
+            raise ValueError(f"max_entries: expected an int >= 1, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._built: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+    def get(self, key, build) -> Any:
+        with self._lock:  # one build at a time: two threads asking for one key build it once
+            if key in self._built:
+                self._built.move_to_end(key)
+                return self._built[key]
+            built = self._built[key] = build()
+            while len(self._built) > self.max_entries:
+                self._built.popitem(last=False)
+            return built
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._built)
 
 
 def _pinned_staging(shape: tuple[int, ...], dtype, dev: jax.Device) -> tuple[np.ndarray, jax.Array]:
