@@ -178,3 +178,33 @@ def test_lookalike_paged_buffers_are_refused_not_guessed(cfg):
     with pytest.raises(UnsupportedKVCacheError, match="does not guess") as err:
         KVConnector(fake, HostStore(1 << 20))
     assert "layout=" in str(err.value)
+
+
+def test_a_fresh_process_describes_sglang_jax_pools_without_importing_the_integration():
+    """The connector finds sglang-jax's layouts by the pool class's module: the caller imports
+    neither jaxkv's integration nor anything but sglang-jax's pool and the connector."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, sgljax_pools as sp\n"
+        "from jaxkv.connector import HostStore, KVConnector\n"
+        "cfg = sp.BY_NAME['mha-bf16-p4']\n"
+        "pool = sp.build(cfg)\n"
+        "assert 'jaxkv.integrations.sglang_jax.layouts' not in sys.modules\n"
+        "conn = KVConnector(pool, HostStore(1 << 20))\n"
+        "print(conn.layout.kind)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "sglang-jax-mha"

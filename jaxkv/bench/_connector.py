@@ -220,7 +220,8 @@ def measure_async(setting: Setting) -> dict:
 
     def snapshot():
         state["round"] += 1
-        conn._snapshot(pool, np.full(tokens, state["round"]), slots, None)
+        with conn.snapshot(pool, np.full(tokens, state["round"]), slots):
+            pass
 
     def store_async():
         state["round"] += 1

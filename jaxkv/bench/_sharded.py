@@ -85,14 +85,14 @@ def child(quick: bool, sharded: tuple[int, int, int]) -> None:
     moved = {}
     for name, pool in pools.items():
         conn = KVConnector(pool, HostStore(4 * kv_bytes(store_t, pool.layer_num)))
-        conn._give_back(conn._snapshot(pool, tokens, slots, None)[2])  # warm-up: compiles
-        t0 = time.perf_counter()
-        records, _, staging = conn._snapshot(pool, tokens, slots, None)
-        snap_s = time.perf_counter() - t0
+        with conn.snapshot(pool, tokens, slots):  # warm-up: compiles
+            pass
         per_shard: dict[str, int] = {}
-        for r in records:
-            per_shard[r.layout] = per_shard.get(r.layout, 0) + r.nbytes
-        conn._give_back(staging)
+        t0 = time.perf_counter()
+        with conn.snapshot(pool, tokens, slots) as records:
+            snap_s = time.perf_counter() - t0
+            for r in records:
+                per_shard[r.layout] = per_shard.get(r.layout, 0) + r.nbytes
         moved[name] = {
             "shards": len(per_shard),
             "bytes_total": sum(per_shard.values()),

@@ -5,11 +5,12 @@ an optional tenant salt, and reloaded bit-exact; a record that fails verificatio
 loaded.
 """
 
-from jaxkv.connector._connector import KVConnector, min_block_count
-from jaxkv.connector._declared import BufferLayout, PoolLayout
+from jaxkv.connector._connector import KVConnector
 from jaxkv.connector._records import BlockRecord, CorruptRecordError
+from jaxkv.connector._shards import min_block_count
 from jaxkv.connector.disk import DiskStore
 from jaxkv.connector.host import HostStore
+from jaxkv.connector.layout import BufferLayout, PoolLayout
 from jaxkv.connector.remote import RedisStore
 from jaxkv.connector.stores import BlockStore, StoreResult
 from jaxkv.connector.tiered import TieredStore

@@ -16,12 +16,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import hashlib
 import itertools
-import json
-import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -32,54 +30,20 @@ from jaxkv._checks import bool_arg, int_arg, int_vector, is_int, text_arg
 from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _hashing, _shards
 from jaxkv.connector._block_kernels import bucket
-from jaxkv.connector._declared import PoolLayout
+from jaxkv.connector._keys import BlockKeys, keys_fingerprint
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector._replies import (
-    answers,
-    block_fault,
-    count_of,
-    is_bool,
-    is_record_or_none,
-    stats_dict,
-    store_result,
-)
+from jaxkv.connector._store_calls import StoreCalls
 from jaxkv.connector._transfers import Snapshot, TransferPath, choose_path, gather_blocks
 from jaxkv.connector._writes import BackgroundWrites
-from jaxkv.connector.stores import BlockStore, DamageLog, FailureLog, StoreResult
-from jaxkv.errors import StoreReplyError
+from jaxkv.connector.layout import PoolLayout, describe
+from jaxkv.connector.stores import BlockStore
 
-# Chains kept per connector, one per root (layout fingerprint and salt): a sharded pool has a
-# root per shard group, and a few tenants' salts may interleave.
-_KEPT_CHAINS = 16
-
-# A pool `load` writes into: it returns one of the same type (a jaxkv pool, or the foreign
-# pool it wrote in place).
+# A pool `load` writes into: it returns one of its type (a jaxkv pool, or the foreign one).
 Pool = TypeVar("Pool")
 
 
-def min_block_count(per_rank_counts: Sequence[int]) -> int:
-    """The block count every rank can hold: the minimum of the ranks' counts.
-
-    Tensor-parallel ranks must agree on one block count for a shared store (SGLang's FlexKV
-    MIN-aligns them); pass each rank's count, for instance gathered with an all-reduce.
-
-    Args:
-        per_rank_counts: each rank's block count (ints >= 0).
-
-    Returns:
-        The smallest count.
-
-    Raises:
-        ValueError: an empty sequence or a negative count.
-    """
-    counts = [int(c) for c in per_rank_counts]
-    if not counts or min(counts) < 0:
-        raise ValueError(f"per_rank_counts: expected non-negative counts, got {per_rank_counts!r}")
-    return min(counts)
-
-
-class KVConnector:
+class KVConnector(BlockKeys):
     """Moves whole blocks of KV between a pool and a `BlockStore`.
 
     Args:
@@ -187,7 +151,7 @@ class KVConnector:
                 "pass layout=None"
             )
         self._declared = layout
-        view = view_of(pool, layout)
+        view = view_of(pool, describe(pool, layout))
         page = view.layout.page_size
         if block_size is None:
             block_size = page if page > 1 else 16
@@ -202,252 +166,27 @@ class KVConnector:
         self.block_size = int(block_size)
         self.namespace = text_arg("namespace", namespace)
         self.layout = dataclasses.replace(view.layout, shard=text_arg("shard", shard))
-        # The pool's own layout (what every pool handed to a call must match), and the layout
-        # of the keys its blocks are stored under: the same for a pool on one device; on a
-        # sharded pool, the shards' layouts together (`block_keys`).
+        # The pool's own layout, what every pool handed to a call must match (its keys'
+        # layout, `fingerprint`, covers the shards' layouts of a sharded pool).
         self._pool_fingerprint = self.layout.fingerprint(self.block_size)
         self._shards = _shards.plan(view, self.layout, self.block_size)
-        shard_prints = self._fingerprints()
-        self.fingerprint = shard_prints[0]  # whole rows on one device or several
-        if len(shard_prints) > 1:
-            self.fingerprint = hashlib.sha256(json.dumps(shard_prints).encode()).hexdigest()
+        self.fingerprint = keys_fingerprint(self._fingerprints())
         if self._shards is not None:  # every shard is placed alike: the first one decides
             view = _shards.shard_views(self._shards, view)[0][1][0]
         #: The `TransferPath` every store and load of this connector goes through.
         self.transfer_path: TransferPath = choose_path(view, transfer)
-        self._chains: dict[bytes, tuple[bytes, list[bytes]]] = {}  # see `_chain`
-        self._lock = threading.Lock()
+        self._chains = _hashing.KeyChains()
         self._writes = BackgroundWrites(int(max_pending))
-        self.strict = strict
-        self._failures = FailureLog("KVConnector")
-        self._refused = DamageLog("KVConnector")
-        self._counters = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_hits",
-                "lookup_misses",
-                "loads",
-                "hits",
-                "misses",
-                "blocks_stored",
-                "blocks_loaded",
-                "records_stored",
-                "records_loaded",
-                "bytes_stored",
-                "bytes_loaded",
-                "verification_failures",
-                "discarded",
-                "io_errors",
-                "async_failures",
-            ),
-            0,
-        )
+        self._store = StoreCalls(store, strict, self._writes)
 
-    # ---- keys -----------------------------------------------------------------------------
+    @property
+    def strict(self) -> bool:
+        """Whether the store's failures are raised (see the class); settable to a bool."""
+        return self._store.strict
 
-    def _chain(self, data: bytes, salt, fingerprint=None) -> list[bytes]:
-        """Block digests of token bytes `data` under `fingerprint` (default: the pool's).
-
-        The last chain of each root is kept: a serving loop asks `lookup(prompt)` and then
-        `load(prompt[:hit])` (and `store` of the same prompt later), whose digests are a prefix
-        of it; a sharded pool's groups each have their own root. The root covers the
-        namespace, layout and salt, so equal roots and token bytes give the same digests.
-        """
-        root = _hashing.root_hash(self.namespace, fingerprint or self.fingerprint, salt)
-        last = self._chains.get(root)  # one read: another thread may replace it meanwhile
-        if last is not None and last[0].startswith(data):
-            digests = last[1]
-        else:
-            digests = _hashing.chain(root, data, self.block_size)
-            last = (data, digests)
-        with self._lock:  # the root becomes the most recently used
-            self._chains.pop(root, None)
-            self._chains[root] = last
-            while len(self._chains) > _KEPT_CHAINS:
-                del self._chains[next(iter(self._chains))]  # the least recently used root's
-        return digests[: len(data) // (4 * self.block_size)]
-
-    def block_hashes(
-        self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
-    ) -> list[str]:
-        """Hex keys of every full block of `token_ids`, chained: block i's key covers all
-        tokens up to its end, under this connector's namespace, `fingerprint` and `salt`.
-        For a pool on one device these are the keys its blocks are stored under; a sharded
-        pool stores each block under one key per shard (`block_keys`).
-
-        Args:
-            token_ids: 1-D integer token ids in `[0, 2**32)`.
-            salt: a tenant's salt (`str` or `bytes`); blocks stored under one salt are
-                invisible under another.
-
-        Returns:
-            One key (64 hex digits) per full block; a partial tail block has none.
-
-        Raises:
-            TypeError: `token_ids` that are not integers, or a `salt` that is neither `str`,
-                `bytes` nor `None`.
-            ValueError: `token_ids` that are not 1-D, or an id outside `[0, 2**32)`.
-        """
-        return [d.hex() for d in self._chain(_hashing.token_bytes(token_ids), salt)]
-
-    def block_keys(
-        self, token_ids: ArrayLike | Sequence[int], *, salt: str | bytes | None = None
-    ) -> list[list[str]]:
-        """The keys each full block of `token_ids` is stored under: one key per block for a
-        pool on one device (its `block_hashes` entry), one per shard for a pool spread over
-        devices (the shards this process moves, in a fixed order), each a record of its own
-        in the store.
-
-        Args:
-            token_ids, salt: as `block_hashes`.
-
-        Returns:
-            Per full block, the list of its keys (64 hex digits each).
-
-        Raises:
-            TypeError, ValueError: as `block_hashes`.
-
-        Example:
-            >>> import numpy as np, jaxkv
-            >>> from jaxkv.connector import HostStore, KVConnector
-            >>> pool = jaxkv.MHAPool.create(size=64, head_num=1, head_dim=2, layer_num=1)
-            >>> conn = KVConnector(pool, HostStore(1 << 20), block_size=4)
-            >>> keys = conn.block_keys(np.arange(10))
-            >>> len(keys), [len(k) for k in keys], keys[0][0] == conn.block_hashes(np.arange(10))[0]
-            (2, [1, 1], True)
-        """
-        data = _hashing.token_bytes(token_ids)
-        per_layout = [self._chain(data, salt, f) for f in self._fingerprints()]
-        return [[d.hex() for d in block] for block in zip(*per_layout)]
-
-    def lookup(
-        self,
-        token_ids: ArrayLike | Sequence[int],
-        *,
-        salt: str | bytes | None = None,
-        start: int = 0,
-    ) -> int:
-        """Tokens (a multiple of `block_size`) from `start` on whose blocks are all stored, or
-        being written by `store_async` (on a sharded pool: by every shard this process holds).
-        Changes no data (a store may refresh recency).
-
-        Args:
-            token_ids: 1-D integer token ids, the whole prefix from its first token (block
-                keys are chained from it).
-            salt: the salt the blocks were stored under, if any.
-            start: the first token to look for, a multiple of `block_size` (the tokens before
-                it are held elsewhere, say on the device); 0 asks for the whole prefix.
-
-        Returns:
-            The number of tokens found from `start` on, a multiple of `block_size`.
-
-        Raises:
-            TypeError, ValueError: bad `token_ids` or `salt`, as `block_hashes`; a `start`
-                that is not a multiple of `block_size` in `[0, len(token_ids)]`.
-            OSError: the store failed to answer, only when this connector or the store is
-                strict (otherwise the blocks it could not check count as missing).
-        """
-        data = _hashing.token_bytes(token_ids)
-        first = self._first_block(start, len(data) // 4)
-        found = []  # per layout (one, or one per shard group): the run of blocks held
-        for fingerprint in self._fingerprints():
-            digests = self._chain(data, salt, fingerprint)[first:]
-            held = self._held([d.hex() for d in digests], stop_at_miss=True)
-            found.append(held.index(False) if False in held else len(held))
-        n = min(found)
-        self._count("lookups")
-        self._count("lookup_hits", n)
-        self._count("lookup_misses", len(digests) - n)
-        return n * self.block_size
-
-    def _first_block(self, start, n_tokens: int) -> int:
-        """The block `start` (a token index) begins, checked: a multiple of `block_size`."""
-        bs = self.block_size
-        if not is_int(start) or not 0 <= start <= n_tokens or start % bs:
-            raise ValueError(
-                f"start: expected a multiple of block_size={bs} in [0, {n_tokens}] (the "
-                f"number of token ids), got {start!r}"
-            )
-        return int(start) // bs
-
-    def _fingerprints(self) -> list[str]:
-        """The layouts this process's blocks are keyed under: the pool's, or one per shard."""
-        if self._shards is None:
-            return [self._pool_fingerprint]
-        return [g.fingerprint for g in self._shards.groups]
-
-    def _held(self, keys: list[str], *, stop_at_miss: bool = False) -> list[bool]:
-        """Per key, "stored, or being written by `store_async`" (pending keys as of now); the
-        store is asked about the other keys in one batch (`stop_at_miss`: see `BlockStore`)."""
-        pending = self._writes.pending()
-        ask = [k for k in keys if k not in pending]
-        asked = iter(
-            self._call(
-                "read",
-                lambda ks, strict: self.backend.contains_many(
-                    ks, stop_at_miss=stop_at_miss, strict=strict
-                ),
-                ask,
-                None,
-                check=lambda answer: answers(answer, len(ask), is_bool, "bools"),
-            )
-            or ()
-        )
-        held = []
-        for key in keys:
-            held.append(key in pending or next(asked, False))
-            if stop_at_miss and not held[-1]:
-                return held + [False] * (len(keys) - len(held))
-        return held
-
-    def _call(self, kind: str, method, arg, failed, check=None):
-        """`method(arg, strict)` on the store, a `StoreResult` whose values pass through
-        `check` (which returns them or raises `StoreReplyError`).
-
-        Strictness is decided here, once per call (this connector's or the store's `strict`),
-        and handed to the store, which stops at its first failure when strict. The failures a
-        result lists were counted and logged by the store; a failure it raises instead (an
-        `OSError`, any other exception, a malformed result) is counted and logged here. A
-        strict call raises its failure (a non-`OSError` as `StoreReplyError`); a lenient one
-        answers `failed` (a miss, a dropped write) when the call failed as a whole, and the
-        values otherwise, in which each reported failure already is a miss or a drop.
-        """
-        store = type(self.backend).__name__
-        strict = self._strict_store()
-        try:
-            result = method(arg, strict)
-        except OSError as err:
-            self._count("io_errors")
-            self._failures.note(kind, err)
-            if strict:
-                raise
-            return failed
-        except Exception as err:
-            why = f"{store} {kind} raised {type(err).__name__}: {err}"
-            return self._store_failed(kind, StoreReplyError(why), err, failed, strict)
-        try:
-            result = store_result(result)
-            values = result.values if check is None else check(result.values)
-        except StoreReplyError as err:
-            why = f"{store} {kind} answered wrongly: {err}"
-            return self._store_failed(kind, StoreReplyError(why), None, failed, strict)
-        return StoreResult(values, result.errors).answer(strict)
-
-    def _store_failed(self, kind: str, failure: StoreReplyError, cause, failed, strict: bool):
-        self._count("io_errors")
-        self._failures.note(kind, failure)
-        if strict:
-            raise failure from cause
-        return failed
-
-    def _strict_store(self) -> bool:
-        """Whether store failures are raised: this connector or its store is strict."""
-        if self.strict:
-            return True
-        try:
-            return self.backend.strict is True
-        except Exception:  # a store whose `strict` itself fails is not asking to raise
-            return False
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self._store.strict = bool_arg("strict", value)
 
     def _check_open(self) -> None:
         self._writes.check_open()
@@ -455,7 +194,7 @@ class KVConnector:
     # ---- transfers ----------------------------------------------------------------------
 
     def _view(self, pool) -> PoolView:
-        view = view_of(pool, self._declared)
+        view = view_of(pool, describe(pool, self._declared))
         layout = dataclasses.replace(view.layout, shard=self.layout.shard)
         if layout.fingerprint(self.block_size) != self._pool_fingerprint:
             diffs = "; ".join(self.layout.differences(layout)) or "another fingerprint"
@@ -523,19 +262,21 @@ class KVConnector:
         slots = self._slots(slots, len(data) // 4, view.layout.rows)
         if self._shards is None:
             return self._snapshot_view(view, self._pool_fingerprint, data, slots, salt)
-        records, blocks, staging = [], [], []
-        for group, replicas in _shards.shard_views(self._shards, view):
-            if group.stores:
-                got = self._snapshot_view(replicas[0], group.fingerprint, data, slots, salt)
-                records += got[0]
-                blocks += got[1]
-                staging += got[2]
-        return records, blocks, staging
+        got = [
+            self._snapshot_view(replicas[0], group.fingerprint, data, slots, salt)
+            for group, replicas in _shards.shard_views(self._shards, view)
+            if group.stores
+        ]
+        return (
+            [r for g in got for r in g[0]],
+            [b for g in got for b in g[1]],
+            [s for g in got for s in g[2]],
+        )
 
     def _snapshot_view(self, view: PoolView, fingerprint: str, data: bytes, slots, salt):
         """`_snapshot` of one pool or shard whose blocks are keyed under `fingerprint`."""
         digests = self._chain(data, salt, fingerprint)
-        held = self._held([d.hex() for d in digests])
+        held = self._store.held([d.hex() for d in digests])
         missing = [i for i, h in enumerate(held) if not h]
         if not missing:
             return [], [], []
@@ -556,32 +297,6 @@ class KVConnector:
             for j, i in enumerate(missing)
         ]
         return records, missing, [snap]
-
-    def _write(self, records: list[BlockRecord], blocks: list[int]) -> int:
-        """Puts `records` (record j holds a shard of block `blocks[j]`, or the whole block);
-        returns the number of blocks of which a record was newly written."""
-        results: list[bool] = []
-
-        def record_landed(values) -> list[bool]:
-            # Kept before a strict failure is raised: what landed is counted all the same.
-            results.extend(answers(values, len(records), is_bool, "bools"))
-            return results
-
-        try:
-            self._call(
-                "write",
-                lambda batch, strict: self.backend.put_many(batch, strict=strict),
-                records,
-                None,
-                check=record_landed,
-            )
-        finally:
-            new = [j for j, landed in enumerate(results) if landed]
-            with self._lock:
-                self._counters["records_stored"] += len(new)
-                self._counters["blocks_stored"] += len({blocks[j] for j in new})
-                self._counters["bytes_stored"] += sum(records[j].nbytes for j in new)
-        return len({blocks[j] for j in new})
 
     def store(
         self,
@@ -616,7 +331,46 @@ class KVConnector:
         self._check_open()
         records, blocks, staging = self._snapshot(pool, token_ids, slots, salt)
         try:
-            return self._write(records, blocks)
+            return self._store.write(records, blocks)
+        finally:
+            self._give_back(staging)
+
+    @contextlib.contextmanager
+    def snapshot(
+        self,
+        pool: object,
+        token_ids: ArrayLike | Sequence[int],
+        slots: ArrayLike | Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+    ) -> Iterator[list[BlockRecord]]:
+        """The records `store` would write, copied to host memory, without writing them: one
+        per full block of `token_ids` not yet stored (one per shard of a block on a sharded
+        pool). Their arrays are valid inside the `with` block, whose end hands the staging
+        memory back; copy what must outlive it.
+
+        Args:
+            pool, token_ids, slots, salt: as `store`.
+
+        Yields:
+            The records (`BlockRecord`s, read-only).
+
+        Raises:
+            As `store`.
+
+        Example:
+            >>> import numpy as np, jaxkv
+            >>> from jaxkv.connector import HostStore, KVConnector
+            >>> pool = jaxkv.MHAPool.create(size=64, head_num=1, head_dim=2, layer_num=1)
+            >>> conn = KVConnector(pool, HostStore(1 << 20), block_size=4)
+            >>> with conn.snapshot(pool, np.arange(10), np.arange(1, 11)) as records:
+            ...     [r.parts["k"].shape for r in records]
+            [(1, 4, 1, 2), (1, 4, 1, 2)]
+        """
+        self._check_open()
+        records, _, staging = self._snapshot(pool, token_ids, slots, salt)
+        try:
+            yield records
         finally:
             self._give_back(staging)
 
@@ -666,9 +420,9 @@ class KVConnector:
 
         def write() -> int:
             try:
-                return self._write(records, blocks)
+                return self._store.write(records, blocks)
             except BaseException:
-                self._count("async_failures")
+                self._store.count("async_failures")
                 raise
 
         return self._writes.submit(keys, write, lambda: self._give_back(staging))
@@ -694,10 +448,6 @@ class KVConnector:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
 
     def load(
         self,
@@ -744,96 +494,44 @@ class KVConnector:
         data = _hashing.token_bytes(token_ids)
         first = self._first_block(start, len(data) // 4)
         slots = self._slots(slots, len(data) // 4 - first * self.block_size, view.layout.rows)
-        self._count("loads")
+        self._store.count("loads")
         if self._shards is not None:
             return self._load_shards(view, data, slots, salt, first)
         records, n_blocks = self._fetch(self.layout, self._pool_fingerprint, data, salt, first)
-        self._count("hits", len(records))
-        self._count("misses", n_blocks - len(records))
+        self._store.count("hits", len(records))
+        self._store.count("misses", n_blocks - len(records))
         if not records:
             return pool, 0
         bs = self.block_size
         n = len(records) * bs
         pool = self.transfer_path.write(view, records, slots[:n], bs)
-        self._count("blocks_loaded", len(records))
-        self._count("records_loaded", len(records))
-        self._count("bytes_loaded", len(records) * self.layout.block_nbytes(bs))  # all checked
+        self._store.count("blocks_loaded", len(records))
+        self._store.count("records_loaded", len(records))
+        self._store.count(
+            "bytes_loaded", len(records) * self.layout.block_nbytes(bs)
+        )  # all checked
         return pool, n
 
     def _fetch(
-        self, layout, fingerprint: str, data: bytes, salt, first: int = 0
+        self, layout, fingerprint: str, data: bytes, salt, first: int
     ) -> tuple[list[BlockRecord], int]:
         """The verified records of the longest stored run of blocks from block `first` on
         under `fingerprint`, and the number of full blocks asked for."""
-        digests = self._chain(data, salt, fingerprint)[first:]
-        bs = self.block_size
-        keys = [d.hex() for d in digests]
-        self._writes.wait_for(keys)
-        records: list[BlockRecord] = []
-        got = self._call(
-            "read",
-            lambda ks, strict: self.backend.get_many(ks, stop_at_miss=True, strict=strict),
-            keys,
-            None,
-            check=lambda answer: answers(answer, len(keys), is_record_or_none, "records"),
-        )
-        want = {
-            p.key: ((layout.part_layers(p), bs, *p.row_shape), p.bits_dtype) for p in layout.parts
-        }
-        for i, record in enumerate(got or ()):
-            if record is None:
-                break
-            block = data[4 * (first + i) * bs : 4 * (first + i + 1) * bs]
-            fault = block_fault(record, keys[i], block, fingerprint, want)
-            if fault is not None:
-                self._count("verification_failures")
-                removed = self._discard(keys[i])
-                store = type(self.backend).__name__
-                done = f"{store} discarded it" if removed else f"{store} could not remove it"
-                self._refused.note(keys[i], f"served by {store} {fault}", done)
-                break
-            records.append(record)
-        return records, len(digests)
-
-    def _discard(self, key: str) -> bool:
-        """Removes the record the store served for `key`, which failed the checks, so that
-        `lookup` stops promising it and the next `store` writes the block again."""
-        removed = self._call(
-            "discard",
-            lambda ks, strict: self.backend.discard_many(ks, strict=strict),
-            [key],
-            [False],
-            check=lambda answer: answers(answer, 1, is_bool, "bools"),
-        )[0]
-        if removed:
-            self._count("discarded")
-        return bool(removed)
+        keys = [d.hex() for d in self._chain(data, salt, fingerprint)[first:]]
+        return self._store.fetch(layout, fingerprint, keys, data, first, self.block_size), len(keys)
 
     def _load_shards(self, view: PoolView, data: bytes, slots, salt, first: int):
-        """`load` of a sharded pool: the blocks every shard of this process holds, written
-        into each replica's shard on its own device, then the global buffers rebuilt."""
+        """`load` of a sharded pool (see `_shards.load`)."""
         assert self._shards is not None  # the caller's branch
-        groups = _shards.shard_views(self._shards, view)
-        fetched = [self._fetch(g.layout, g.fingerprint, data, salt, first) for g, _ in groups]
-        n_blocks = min(len(records) for records, _ in fetched)
-        self._count("hits", n_blocks)
-        self._count("misses", fetched[0][1] - n_blocks)
-        if not n_blocks:
-            return view.pool, 0
-        bs = self.block_size
-        rows = slots[: n_blocks * bs]
-        view.check_replaceable()  # before any shard is donated: a refusal changes nothing
-        placed = _shards.placements(view)
-        written = {}
-        for (group, replicas), (records, _) in zip(groups, fetched):
-            for replica, device in zip(replicas, group.devices):
-                written[device] = self.transfer_path.write_staged(
-                    replica, records[:n_blocks], rows, bs
-                )
-            self._count("bytes_loaded", n_blocks * group.layout.block_nbytes(bs))
-            self._count("records_loaded", n_blocks)
-        self._count("blocks_loaded", n_blocks)
-        return _shards.rebuild(view, placed, written), n_blocks * bs
+        return _shards.load(
+            self._shards,
+            view,
+            lambda group: self._fetch(group.layout, group.fingerprint, data, salt, first),
+            slots,
+            self.block_size,
+            self.transfer_path,
+            self._store.count,
+        )
 
     def precompile(self, pool: Pool, *, max_blocks: int) -> Pool:
         """Compiles the device transfers `store` and `load` run for up to `max_blocks`
@@ -899,13 +597,4 @@ class KVConnector:
         Returns:
             The counters above (ints) and `"store"`, the store's `stats()` dict.
         """
-        store = self._call(
-            "stats", lambda _, strict: StoreResult(self.backend.stats()), None, {}, check=stats_dict
-        )
-        with self._lock:
-            counters = dict(self._counters)
-            pending = len(self._writes)
-        counters["verification_failures"] += count_of(store, "verification_failures")
-        counters["evictions"] = count_of(store, "evictions")
-        counters["io_errors"] += count_of(store, "io_errors")
-        return {**counters, "pending_blocks": pending, "store": store}
+        return self._store.stats()

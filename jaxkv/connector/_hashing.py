@@ -13,6 +13,7 @@ Python's `hash()` is salted per process and is never used.
 from __future__ import annotations
 
 import hashlib
+import threading
 
 from jaxkv._checks import text_arg, token_array
 
@@ -67,3 +68,40 @@ def chain(root: bytes, data: bytes, block_size: int) -> list[bytes]:
 def block_digest(data: bytes) -> str:
     """Fingerprint of one block's own token bytes, kept in each record for verification."""
     return hashlib.sha256(data).hexdigest()
+
+
+# Chains kept per connector, one per root (layout fingerprint and salt): a sharded pool has a
+# root per shard group, and a few tenants' salts may interleave.
+_KEPT_CHAINS = 16
+
+
+class KeyChains:
+    """A connector's recent key chains, the last one per root.
+
+    A serving loop asks `lookup(prompt)` and then `load(prompt[:hit])` (and `store` of the
+    same prompt later), whose digests are a prefix of it; a sharded pool's groups each have
+    their own root. The root covers the namespace, layout and salt, so equal roots and token
+    bytes give the same digests.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[bytes, tuple[bytes, list[bytes]]] = {}
+
+    def digests(
+        self, namespace: str, fingerprint: str, salt, data: bytes, block_size: int
+    ) -> list[bytes]:
+        """The block digests of token bytes `data` (full blocks only)."""
+        root = root_hash(namespace, fingerprint, salt)
+        last = self._last.get(root)  # one read: another thread may replace it meanwhile
+        if last is not None and last[0].startswith(data):
+            digests = last[1]
+        else:
+            digests = chain(root, data, block_size)
+            last = (data, digests)
+        with self._lock:  # the root becomes the most recently used
+            self._last.pop(root, None)
+            self._last[root] = last
+            while len(self._last) > _KEPT_CHAINS:
+                del self._last[next(iter(self._last))]  # the least recently used root's
+        return digests[: len(data) // (4 * block_size)]

@@ -1,6 +1,7 @@
 """Write-back strategies: how blocks staged on the host reach a pool's buffers.
 
-`view_of(pool)` pairs a pool with its `Layout` (see `_layout`) as a `PoolView`: jaxkv pools are
+`view_of(pool, layout)` pairs a pool with its `Layout` (from `layout.describe`, the one place a
+pool is described) as a `PoolView`: jaxkv pools are
 written with one donated scatter and come back as a new pool (`PoolBase.with_buffers`); other
 frameworks' SGLang-shaped objects are written in place where jaxkv can (host memory, torch
 tensors on an accelerator) and have their jax buffers swapped otherwise.
@@ -17,8 +18,7 @@ from jaxkv._kernels import warn_if_copied
 from jaxkv._pool_base import PoolBase
 from jaxkv.connector import _foreign
 from jaxkv.connector._block_kernels import block_starts, scatter_donated, write_slots
-from jaxkv.connector._declared import PoolLayout, recognised
-from jaxkv.connector._layout import Layout, Part, describe, layers_of
+from jaxkv.connector.layout import BufferSpec, Layout, layers_of
 from jaxkv.connector.transfer import Staging
 from jaxkv.errors import ConsumedPoolError
 
@@ -40,7 +40,7 @@ class PoolView:
         self.pool = pool
         self.layout = layout
 
-    def buffers(self, part: Part) -> list:
+    def buffers(self, part: BufferSpec) -> list:
         """The part's layer buffers as the pool holds them."""
         layers = layers_of(self.pool, part.attr)
         assert layers is not None  # the layout was described from them
@@ -55,14 +55,16 @@ class PoolView:
         """`TypeError` unless `replace_buffers` can set every part's buffers: called before
         buffers are donated, when a refusal would leave deleted arrays behind."""
 
-    def host_layers(self, part: Part) -> list | None:
+    def host_layers(self, part: BufferSpec) -> list | None:
         """The part's layer buffers when jaxkv moves them outside XLA, else None: numpy views
         of host memory, or raw-bit torch views of torch tensors on an accelerator (both are
         read with `_foreign.read_blocks` into host arrays and written in place)."""
         views = [_foreign.direct_view(b) for b in self.buffers(part)]
         return views if all(v is not None for v in views) else None
 
-    def arrays(self, parts: Sequence[Part] | None = None) -> tuple[tuple[jax.Array, ...], ...]:
+    def arrays(
+        self, parts: Sequence[BufferSpec] | None = None
+    ) -> tuple[tuple[jax.Array, ...], ...]:
         """Per part (default: all), the layer buffers as jax arrays."""
         parts = self.layout.parts if parts is None else parts
         return tuple(tuple(_device_array(b) for b in self.buffers(p)) for p in parts)
@@ -103,7 +105,7 @@ class _JaxkvView(PoolView):
 
 
 def write_arrays(
-    arrays, parts: Sequence[Part], slots, staging, block_size: int, windows: bool = True
+    arrays, parts: Sequence[BufferSpec], slots, staging, block_size: int, windows: bool = True
 ):
     """Scatters `staging` (one `Staging` per part) at `slots` into `arrays` (per part, per
     layer, donated) in one jitted call; returns the new arrays. Staging of more blocks than
@@ -241,13 +243,9 @@ def _same_container(like, layers):
     return list(layers) if isinstance(like, list) else tuple(layers)
 
 
-def view_of(pool, declared: PoolLayout | None = None) -> PoolView:
-    """Describes `pool`: by `declared` when given, else a jaxkv pool, a pool class jaxkv
-    recognises (sglang-jax's), or any object with SGLang's buffer attributes."""
-    if isinstance(pool, PoolBase):
-        if pool.consumed:
-            pool.layer_buffer(pool.BUFFERS[0], 0)  # raises ConsumedPoolError, naming the pool
-        if declared is None:
-            return _JaxkvView(pool, describe(pool))
-    declared = declared or recognised(pool)
-    return _ForeignView(pool, describe(pool) if declared is None else declared.resolve(pool))
+def view_of(pool, layout: Layout) -> PoolView:
+    """`pool` with its `layout` (from `layout.describe`) as the view that writes it: a jaxkv
+    pool described by itself is written functionally, anything else as a foreign object."""
+    if isinstance(pool, PoolBase) and layout.kind == pool.KIND:
+        return _JaxkvView(pool, layout)
+    return _ForeignView(pool, layout)

@@ -3,7 +3,7 @@
 A pool placed over a mesh is moved shard by shard, never gathered: each distinct shard this
 process can address (one per head range for a head-sharded pool, the whole buffer for a
 replicated one) is treated as a pool of its own. Its blocks are keyed under a layout that names
-the shard's coordinates (`Part`s with the shard's row shape, `shard` saying which heads), so a
+the shard's coordinates (`BufferSpec`s with the shard's row shape, `shard` saying which heads), so a
 store made at one tensor-parallel degree never serves another: a TP-8 shard holds heads 0:1 of 8,
 a TP-4 shard asks for heads 0:2 of 8, and the keys differ. A shard that holds every head (a
 replicated buffer, or a mesh axis of one device) keeps the unsharded layout, so its blocks are
@@ -19,11 +19,12 @@ load the same prefix on every process agree on its length first (`min_block_coun
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 
-from jaxkv.connector._layout import Layout, Part
 from jaxkv.connector._pool_views import PoolView, write_arrays
+from jaxkv.connector.layout import BufferSpec, Layout
 from jaxkv.connector.transfer import has_explicit_axes, shard_span
 
 
@@ -72,7 +73,7 @@ def placement(view: PoolView) -> jax.sharding.Sharding | None:
     return sharding
 
 
-def _split_label(part: Part, span, shape) -> str:
+def _split_label(part: BufferSpec, span, shape) -> str:
     """The split axes of one part's shard, e.g. "k.1=0:2/8" (heads 0 to 2 of 8)."""
     return ",".join(
         f"{part.key}.{axis}={lo}:{hi}/{dim}"
@@ -248,3 +249,49 @@ def check_placement(plan_: ShardPlan | None, view: PoolView) -> None:
             f"pool: expected buffers placed as the pool this connector was made for "
             f"({want or 'one device'}), got {got or 'one device'}"
         )
+
+
+def load(plan_: ShardPlan, view: PoolView, fetch, slots, bs: int, path, count):
+    """`KVConnector.load` of a sharded pool: the blocks every shard of this process holds
+    (`fetch(group)` -> its verified records and the blocks asked for), as many as every
+    shard has, written into each replica's shard on its own device by `path`, then the
+    global buffers rebuilt; `count(name, n)` counts them. Returns `(pool, tokens loaded)`."""
+    groups = shard_views(plan_, view)
+    fetched = [fetch(group) for group, _ in groups]
+    n_blocks = min(len(records) for records, _ in fetched)
+    count("hits", n_blocks)
+    count("misses", fetched[0][1] - n_blocks)
+    if not n_blocks:
+        return view.pool, 0
+    rows = slots[: n_blocks * bs]
+    view.check_replaceable()  # before any shard is donated: a refusal changes nothing
+    placed = placements(view)
+    written = {}
+    for (group, replicas), (records, _) in zip(groups, fetched):
+        for replica, device in zip(replicas, group.devices):
+            written[device] = path.write_staged(replica, records[:n_blocks], rows, bs)
+        count("bytes_loaded", n_blocks * group.layout.block_nbytes(bs))
+        count("records_loaded", n_blocks)
+    count("blocks_loaded", n_blocks)
+    return rebuild(view, placed, written), n_blocks * bs
+
+
+def min_block_count(per_rank_counts: Sequence[int]) -> int:
+    """The block count every rank can hold: the minimum of the ranks' counts.
+
+    Tensor-parallel ranks must agree on one block count for a shared store (SGLang's FlexKV
+    MIN-aligns them); pass each rank's count, for instance gathered with an all-reduce.
+
+    Args:
+        per_rank_counts: each rank's block count (ints >= 0).
+
+    Returns:
+        The smallest count.
+
+    Raises:
+        ValueError: an empty sequence or a negative count.
+    """
+    counts = [int(c) for c in per_rank_counts]
+    if not counts or min(counts) < 0:
+        raise ValueError(f"per_rank_counts: expected non-negative counts, got {per_rank_counts!r}")
+    return min(counts)

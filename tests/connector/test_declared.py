@@ -226,3 +226,50 @@ def test_a_refused_load_on_an_explicit_mesh_donates_nothing(rng):
     assert all(not b.is_deleted() for b in caches)
     for old, b in zip(before, caches):
         np.testing.assert_array_equal(_bits(b), old)
+
+
+class _FusedCaches:
+    """Another framework's pool class: fused paged buffers under `caches`."""
+
+    def __init__(self, caches):
+        self.caches = caches
+
+
+def _fused_caches_layout(pool) -> PoolLayout:
+    return PoolLayout(
+        kind="fused-caches", page_size=PAGE, buffers=(BufferLayout("caches", "kv", 2),)
+    )
+
+
+def test_a_declared_class_is_described_by_its_declaration_and_its_subclasses_too(rng):
+    """One `declare_layout` call makes a class (and its subclasses) known to every connector:
+    no `layout=` argument, blocks keyed by the declared kind; a class it refuses is refused."""
+    from jaxkv.connector.layout import declare_layout
+
+    refused = []
+
+    def check(pool):
+        if getattr(pool, "refuse", False):
+            refused.append(pool)
+            raise UnsupportedKVCacheError("Unsupported KV cache type _FusedCaches: refused")
+
+    declare_layout(
+        _FusedCaches.__module__, _FusedCaches.__qualname__, _fused_caches_layout, check=check
+    )
+
+    class Sub(_FusedCaches):
+        pass
+
+    pool = Sub(_fused(rng))
+    src, dst = list(range(4, 12)), list(range(16, 24))
+    tokens = rng.integers(0, 1000, len(src))
+    conn = KVConnector(pool, HostStore(1 << 24))
+    assert conn.layout.kind == "fused-caches" and conn.block_size == PAGE
+    assert conn.store(pool, tokens, src) == 2
+    before = [_bits(b) for b in pool.caches]
+    assert conn.load(pool, tokens, dst)[1] == 8
+    _check_moved(before, [_bits(b) for b in pool.caches], (PAGE,), src, dst)
+    pool.refuse = True
+    with pytest.raises(UnsupportedKVCacheError, match="refused"):
+        KVConnector(pool, HostStore(1 << 20))
+    assert refused == [pool]
