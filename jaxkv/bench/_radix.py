@@ -3,12 +3,23 @@
 Both trees serve one stream of requests, as a scheduler drives its tree: each request matches
 its prompt, locks the match, evicts when the allocator is short of the slots the rest of its
 prompt needs, and, once a few later requests have come in (requests overlap), inserts its
-prompt and releases its lock. The prompts are 1K tokens: the start of one of 32 system
-prompts, then tokens of their own. Two streams: each system prompt shared whole (256 to 768
-tokens, drawn once per system prompt: a shallow tree), or each request sharing a length of
-its own in that range (matches end inside edges and split them, so chains of nodes grow).
-The allocator holds 100K tokens more than the requests in flight, so once warm the tree caches
-about 100K tokens and every request evicts about what it adds. Page sizes 1 and 16.
+prompt and releases its lock. A prompt is the start of one of a few system prompts, then
+tokens of its own. The allocator holds the tree's size more than the requests in flight, so
+once warm the tree stays about that full and every request evicts about what it adds.
+
+The streams (`STREAMS`), each at page sizes 1 and 16, span the shapes a server sees:
+
+- `whole`: 1K-token prompts, each system prompt shared whole (a quarter to three quarters
+  of the prompt, drawn once per system prompt: a shallow tree), 100K tokens cached.
+- `anywhere`: as `whole`, but each request shares a length of its own, so matches end inside
+  edges and split them, and chains of nodes grow along each system prompt.
+- `short`: 32- to 128-token prompts over 8 system prompts, an 8K-token tree: per-call costs.
+- `1M`: 8K-token prompts sharing anywhere, 1M tokens cached: long edges, many leaves.
+- `evict-heavy`: 128- to 1K-token prompts that share nothing, 100K cached: every request
+  evicts about its own length.
+- `lock-heavy`: as `anywhere`, with 64 requests in flight, each locking and releasing its
+  match 4 times more (as a chunked prefill does), over deep chains.
+- `any-length`: prompts of 16 to 8K tokens (log-uniform), sharing anywhere, 100K cached.
 
 Only the tree calls are timed. Each tree has its own jaxkv `PagedAllocator` (SGLang's through
 the simulated cache's allocator hook, `free_segment`), and each gets its inputs in its own
@@ -25,6 +36,7 @@ in an environment that has it); otherwise the section says so and why.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from array import array
 from typing import Any
@@ -38,22 +50,66 @@ from jaxkv.bench._sizes import label
 from jaxkv.bench._targets import Measured
 
 OPS = ("match", "lock", "evict", "insert", "unlock")
-SYSTEM_PROMPTS = 32
-IN_FLIGHT = 8  # requests holding a lock at once
 PAGES = (1, 16)
-# The two kinds of sharing: whole system prompts (a shallow tree: one node per system prompt,
-# a leaf per request), or shared lengths of every size (matches end anywhere, so chains of
-# splits grow along each system prompt and a walk passes many nodes).
-STREAMS = {"whole": True, "any length": False}
 
 
-def _shape(setting: Setting) -> tuple[int, int, int, int]:
-    """`(cached tokens, prompt tokens, requests per round, rounds)`: 100K and 1K in the full
-    and quick runs (the same work; quick runs fewer rounds), toy sizes for `TINY`."""
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """The shape of one request stream.
+
+    Attributes:
+        cached: tokens the tree holds once warm (the allocator's room beyond the requests in
+            flight).
+        prompt: the shortest and longest prompt, in tokens (log-uniform between them).
+        shared: `"whole"` (each system prompt is shared at one length, drawn once), `"any"`
+            (each request shares a length of its own) or `"none"` (nothing is shared). A
+            shared length is a quarter to three quarters of the prompt.
+        systems: how many system prompts the requests start with.
+        in_flight: requests holding a lock at once.
+        relocks: further lock and release pairs each request makes on its match.
+    """
+
+    cached: int
+    prompt: tuple[int, int]
+    shared: str = "any"
+    systems: int = 32
+    in_flight: int = 8
+    relocks: int = 0
+
+    def mean_prompt(self) -> int:
+        lo, hi = self.prompt
+        return lo if lo == hi else int((hi - lo) / np.log(hi / lo))
+
+    def tiny(self) -> Stream:
+        """The same shape at toy sizes (4K tokens cached, prompts an eighth, from 32 on)."""
+        lo, hi = (max(32, n // 8) if n > 128 else n for n in self.prompt)
+        return dataclasses.replace(self, cached=4096, prompt=(lo, hi), in_flight=8)
+
+
+STREAMS = {
+    "whole": Stream(100 << 10, (1 << 10, 1 << 10), "whole"),
+    "anywhere": Stream(100 << 10, (1 << 10, 1 << 10)),
+    "short": Stream(8 << 10, (32, 128), systems=8),
+    "1M": Stream(1 << 20, (8 << 10, 8 << 10)),
+    "evict-heavy": Stream(100 << 10, (128, 1 << 10), "none"),
+    "lock-heavy": Stream(100 << 10, (1 << 10, 1 << 10), in_flight=64, relocks=4),
+    "any-length": Stream(100 << 10, (16, 8 << 10)),
+}
+
+
+def _rounds(setting: Setting) -> int:
+    """Timed rounds per stream: the full run 15, --quick 5, TINY 3."""
     sizes = setting.sizes
-    if sizes.name == "tiny":
-        return 4096, 128, 20, 3
-    return 100 << 10, 1 << 10, 100, 5 if sizes.quick else 15
+    return 3 if sizes.name == "tiny" else 5 if sizes.quick else 15
+
+
+def _sized(stream: Stream, setting: Setting) -> Stream:
+    return stream.tiny() if setting.sizes.name == "tiny" else stream
+
+
+def _per_round(stream: Stream) -> int:
+    """Requests per timed round: about 100K prompt tokens, 20 to 1,000 requests."""
+    return min(1000, max(20, (100 << 10) // stream.mean_prompt()))
 
 
 def _sglang():
@@ -71,21 +127,22 @@ def _sglang():
     return (radix_cache, EvictParams, InsertParams, MatchPrefixParams), None
 
 
-def _stream(n: int, prompt: int, seed: int, fixed: bool) -> list[np.ndarray]:
-    """`n` prompts of `prompt` tokens: the start of one of the system prompts, then tokens of
-    their own. `fixed`: each system prompt is always shared whole (its length, a quarter to
-    three quarters of the prompt, drawn once); else each prompt shares a length of its own
-    in that range, so matches end anywhere and chains of splits grow."""
+def _prompts(stream: Stream, n: int, seed: int) -> list[np.ndarray]:
+    """`n` prompts of `stream`'s shape: the start of one of its system prompts, then tokens of
+    their own."""
     rng = np.random.default_rng(seed)
-    systems = rng.integers(0, 32000, (SYSTEM_PROMPTS, 3 * prompt // 4))
-    lengths = rng.integers(prompt // 4, 3 * prompt // 4 + 1, SYSTEM_PROMPTS)
+    lo, hi = stream.prompt
+    lengths = np.exp(rng.uniform(np.log(lo), np.log(hi), n)).astype(int) if lo < hi else [lo] * n
+    systems = rng.integers(0, 32000, (stream.systems, 3 * hi // 4))
+    fixed = rng.uniform(0.25, 0.75, stream.systems)  # each system prompt's share, for "whole"
     out = []
-    for _ in range(n):
-        which = int(rng.integers(SYSTEM_PROMPTS))
-        shared = int(lengths[which] if fixed else rng.integers(prompt // 4, 3 * prompt // 4 + 1))
-        own = rng.integers(0, 32000, prompt - shared)
-        out.append(np.concatenate([systems[which][:shared], own]))
-    return [p.astype(np.int32) for p in out]
+    for length in lengths:
+        which = int(rng.integers(stream.systems))
+        share = {"whole": fixed[which], "any": rng.uniform(0.25, 0.75), "none": 0.0}
+        shared = int(share[stream.shared] * length)
+        own = rng.integers(0, 32000, length - shared)
+        out.append(np.concatenate([systems[which][:shared], own]).astype(np.int32))
+    return out
 
 
 class _Tree:
@@ -93,8 +150,9 @@ class _Tree:
 
     name = ""
 
-    def __init__(self, page: int, capacity: int):
+    def __init__(self, page: int, capacity: int, stream: Stream):
         self.page = page
+        self.stream = stream
         self.alloc = TokenAllocator(capacity) if page == 1 else PagedAllocator(capacity, page)
         self.seconds = dict.fromkeys(OPS, 0.0)
         self.calls = dict.fromkeys(OPS, 0)
@@ -109,12 +167,18 @@ class _Tree:
 
     def serve(self, prompts: list[np.ndarray], held: collections.deque) -> None:
         """Serves `prompts` in order; `held` carries the requests in flight across calls."""
-        for tokens in prompts:
+        for prompt in prompts:
+            # The whole pages: the partial tail page is the request's own (neither tree
+            # caches it).
+            tokens = prompt[: prompt.size // self.page * self.page]
             key = self.key(tokens)
             node, slots = self.match(key)
             self.answers.append(len(slots))
             self.timed("lock", self.lock, node)
-            need = len(tokens) // self.page * self.page - len(slots)
+            for _ in range(self.stream.relocks):
+                self.timed("unlock", self.unlock, node)
+                self.timed("lock", self.lock, node)
+            need = len(tokens) - len(slots)
             short = need - self.alloc.available_size()
             if short > 0:
                 self.answers.append(self.timed("evict", self.evict, short))
@@ -123,7 +187,7 @@ class _Tree:
                 raise RuntimeError(f"{self.name}: {need} slots wanted, none left to evict")
             full = np.concatenate([slots, new])
             held.append((tokens, full, len(slots), node))
-            if len(held) > IN_FLIGHT:
+            if len(held) > self.stream.in_flight:
                 self.finish(*held.popleft())
 
     def finish(self, tokens, full, matched: int, node) -> None:
@@ -162,8 +226,8 @@ class _Tree:
 class _Jaxkv(_Tree):
     name = "jaxkv"
 
-    def __init__(self, page: int, capacity: int):
-        super().__init__(page, capacity)
+    def __init__(self, page: int, capacity: int, stream: Stream):
+        super().__init__(page, capacity, stream)
         self.cache = RadixCache(self.alloc)
 
     def key(self, tokens):
@@ -195,8 +259,8 @@ class _Jaxkv(_Tree):
 class _SGLang(_Tree):
     name = "SGLang"
 
-    def __init__(self, page: int, capacity: int, sgl):
-        super().__init__(page, capacity)
+    def __init__(self, page: int, capacity: int, stream: Stream, sgl):
+        super().__init__(page, capacity, stream)
         import torch
 
         self.torch = torch
@@ -243,12 +307,15 @@ class _SGLang(_Tree):
         return self.cache.total_size()
 
 
-def _compare(page: int, stream: str, setting: Setting, sgl) -> dict:
-    cached, prompt, per_round, rounds = _shape(setting)
-    capacity = cached + (IN_FLIGHT + 1) * prompt
-    warm = 3 * cached // prompt  # enough requests to fill the tree and evict for a while
-    prompts = _stream(warm + per_round * rounds, prompt, seed=11 + page, fixed=STREAMS[stream])
-    trees = [_Jaxkv(page, capacity)] + ([_SGLang(page, capacity, sgl)] if sgl else [])
+def _compare(name: str, page: int, setting: Setting, sgl) -> dict:
+    stream = _sized(STREAMS[name], setting)
+    rounds, per_round = _rounds(setting), _per_round(stream)
+    capacity = stream.cached + (stream.in_flight + 1) * stream.prompt[1]
+    warm = 3 * stream.cached // stream.mean_prompt()  # fills the tree and evicts a while
+    prompts = _prompts(stream, warm + per_round * rounds, seed=11 + page)
+    trees: list[_Tree] = [_Jaxkv(page, capacity, stream)]
+    if sgl:
+        trees.append(_SGLang(page, capacity, stream, sgl))
     held: dict[str, collections.deque] = {t.name: collections.deque() for t in trees}
     for t in trees:
         t.serve(prompts[:warm], held[t.name])
@@ -262,18 +329,20 @@ def _compare(page: int, stream: str, setting: Setting, sgl) -> dict:
             per_round_s[t.name].append(sum(t.seconds.values()) - before)
     if sgl and trees[0].answers != trees[1].answers:
         raise RuntimeError(
-            f"page {page}: jaxkv's and SGLang's trees answered the same stream differently"
+            f"{name}, page {page}: jaxkv's and SGLang's trees answered the same stream differently"
         )
     row = {
+        "shared": name,  # the stream
         "page_size": page,
-        "shared": stream,
         "cached_tokens": trees[0].total(),
-        "prompt_tokens": prompt,
+        "prompt_tokens": list(stream.prompt),
+        "requests": rounds * per_round,
     }
     for t in trees:
         calls = sum(t.calls.values())
         row[f"{t.name} ops"] = calls
         row[f"{t.name} ops/s"] = calls / sum(t.seconds.values())
+        row[f"{t.name} us/request"] = 1e6 * float(np.median(per_round_s[t.name])) / per_round
         for op in OPS:
             if t.calls[op]:
                 row[f"{t.name} {op} us"] = 1e6 * t.seconds[op] / t.calls[op]
@@ -285,7 +354,7 @@ def _compare(page: int, stream: str, setting: Setting, sgl) -> dict:
 
 def measure(setting: Setting) -> dict:
     sgl, why = _sglang()
-    rows = [_compare(page, stream, setting, sgl) for stream in STREAMS for page in PAGES]
+    rows = [_compare(name, page, setting, sgl) for name in STREAMS for page in PAGES]
     return {"skipped": why, "rows": rows}
 
 
@@ -294,33 +363,46 @@ def targets(res: dict, setting: Setting) -> list[Measured]:
     if res["skipped"]:
         return []
     worst = min(res["rows"], key=lambda r: r["SGLang/jaxkv"])
-    cached, prompt, _, _ = _shape(setting)
     return [
         Measured(
             "radix.sglang",
-            f"prefix cache, {label(cached)} cached tokens, {label(prompt)}-token prompts, worst "
-            "stream and page size: SGLang's RadixCache time / jaxkv's",
+            f"prefix cache, worst of {len(STREAMS)} streams x page sizes "
+            f"({worst['shared']}, page {worst['page_size']}): SGLang's RadixCache time / "
+            "jaxkv's",
             worst["SGLang/jaxkv"],
         )
     ]
 
 
+def _prompt_label(row: dict) -> str:
+    lo, hi = row["prompt_tokens"]
+    return label(lo) if lo == hi else f"{label(lo)}-{label(hi)}"
+
+
 def report(res: dict, setting: Setting) -> None:
-    cached, prompt, per_round, rounds = _shape(setting)
-    cols = [("shared", "shared", "s"), ("page_size", "page", "d"), ("cached_tokens", "cached", "d")]
+    rows = [{**r, "prompts": _prompt_label(r)} for r in res["rows"]]
     names = ["jaxkv"] if res["skipped"] else ["jaxkv", "SGLang"]
-    for name in names:
-        cols.append((f"{name} ops/s", f"{name} ops/s", ".0f"))
-        cols += [(f"{name} {op} us", f"{op} us", ".1f") for op in OPS]
+    cols = [
+        ("shared", "stream", "s"),
+        ("page_size", "page", "d"),
+        ("cached_tokens", "cached", "d"),
+        ("prompts", "prompts", "s"),
+    ]
+    cols += [(f"{n} us/request", f"{n} us/req", ".1f") for n in names]
     if not res["skipped"]:
         cols.append(("SGLang/jaxkv", "SGLang/jaxkv", ".2f"))
     print_table(
-        f"prefix cache (tree calls per second, and us per call; {label(prompt)}-token prompts, "
-        f"about {label(cached)} tokens cached, {IN_FLIGHT} requests in flight, "
-        f"{rounds} rounds of {per_round} requests)",
-        res["rows"],
+        f"prefix cache (tree time per request: match, lock, evict, insert, release; "
+        f"{_rounds(setting)} rounds, ratio the median of the rounds'; streams in "
+        "jaxkv/bench/_radix.py)",
+        rows,
         cols,
     )
+    cols = [("shared", "stream", "s"), ("page_size", "page", "d")]
+    for name in names:
+        cols.append((f"{name} ops/s", f"{name} ops/s", ".0f"))
+        cols += [(f"{name} {op} us", f"{op} us", ".1f") for op in OPS]
+    print_table("prefix cache, per call (us)", rows, cols)
     if res["skipped"]:
         print(
             f"  SGLang rows skipped: {res['skipped']}; run the bench where SGLang 0.5.23 "
