@@ -24,7 +24,9 @@ import pytest
 import sgl_jax
 import sgljax_pools as sp
 import sgljax_trees as st
+from sgl_jax.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
+from jaxkv import testing
 from jaxkv.connector import BlockStore, DiskStore, HostStore, StoreResult
 from jaxkv.integrations.sglang_jax import _store_settings, _store_sides, serve, storage
 
@@ -419,3 +421,34 @@ def test_the_tier_logs_its_counters_as_a_round_starts(trees, rng, caplog):
     count = len(caplog.records)
     t.tree.check_hicache_events()
     assert len(caplog.records) == count  # no change, no line
+
+
+# ---- the store's blocks reach the pool in sglang-jax's donation-safe window ---------------
+
+
+def test_store_blocks_are_written_in_finish_load_back_and_held_until_then(trees, rng):
+    """`init_load_back` inserts the store's blocks and holds their records; the pool is
+    written only in `finish_load_back`, where the scheduler makes writing it safe, and the
+    records held survive the read-ahead memory dropping its copies in between."""
+    store = HostStore(1 << 24, preallocate_bytes=0)
+    t = trees(store, rng)
+    tokens = _prompt(rng)
+    want = _cached(t, tokens)
+    t.tree.check_hicache_events()
+    match = t.tree.match_prefix(MatchPrefixParams(key=st.key(tokens)))
+    assert len(match.device_indices) == 0 and match.host_hit_length == len(tokens)
+    before = [np.array(testing.raw_bits(b)) for b in t.pool.kv_buffer]
+    new, _, plan = t.tree.init_load_back(
+        match.last_host_node, match.host_hit_length, mem_quota=t.allocator.available_size(0)
+    )
+    assert len(new) == len(tokens)
+    unchanged = [np.array(testing.raw_bits(b)) for b in t.pool.kv_buffer]
+    for old, now in zip(before, unchanged):
+        np.testing.assert_array_equal(now, old)  # nothing written before the window
+    ahead = t.tree.jaxkv.reader.backend
+    for key in _keys(t, tokens):
+        ahead.cache.discard(key)  # the read-ahead memory lets go of its copies
+    t.tree.finish_load_back(plan)
+    np.testing.assert_array_equal(st.rows(t, np.asarray(new)), want)
+    assert t.tree.jaxkv.stats()["errors"] == 0
+    assert not ahead.contains_many(_keys(t, tokens)).values[0]  # let go once written

@@ -512,14 +512,6 @@ class KVConnector(BlockKeys):
         )  # all checked
         return pool, n
 
-    def _fetch(
-        self, layout, fingerprint: str, data: bytes, salt, first: int
-    ) -> tuple[list[BlockRecord], int]:
-        """The verified records of the longest stored run of blocks from block `first` on
-        under `fingerprint`, and the number of full blocks asked for."""
-        keys = [d.hex() for d in self._chain(data, salt, fingerprint)[first:]]
-        return self._store.fetch(layout, fingerprint, keys, data, first, self.block_size), len(keys)
-
     def _load_shards(self, view: PoolView, data: bytes, slots, salt, first: int):
         """`load` of a sharded pool (see `_shards.load`)."""
         assert self._shards is not None  # the caller's branch

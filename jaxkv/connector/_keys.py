@@ -12,8 +12,10 @@ from jax.typing import ArrayLike
 
 from jaxkv._checks import is_int
 from jaxkv.connector import _hashing
+from jaxkv.connector._records import BlockRecord
 from jaxkv.connector._shards import ShardPlan
 from jaxkv.connector._store_calls import StoreCalls
+from jaxkv.connector.layout import Layout
 
 
 def keys_fingerprint(fingerprints: list[str]) -> str:
@@ -28,6 +30,7 @@ class BlockKeys:
     """`KVConnector`'s keys. The connector sets the attributes below."""
 
     namespace: str
+    layout: Layout
     fingerprint: str
     block_size: int
     _pool_fingerprint: str
@@ -133,6 +136,46 @@ class BlockKeys:
         self._store.count("lookup_hits", n)
         self._store.count("lookup_misses", len(digests) - n)
         return n * self.block_size
+
+    def fetch(
+        self,
+        token_ids: ArrayLike | Sequence[int],
+        *,
+        salt: str | bytes | None = None,
+        start: int = 0,
+    ) -> list[list[BlockRecord]]:
+        """The stored records of the longest run of `token_ids`' blocks from `start` on, each
+        checked as `load` checks it (a record that fails ends the run and is discarded), read
+        without writing any pool: what `load` would copy.
+
+        Args:
+            token_ids, salt, start: as `lookup`.
+
+        Returns:
+            Per block of the run, its records: one, or one per shard this process moves (in
+            `block_keys` order). They are the store's, read-only: a store may reuse their
+            memory once it drops them, so copy what must outlive the next store call.
+
+        Raises:
+            TypeError, ValueError: as `lookup`.
+            OSError: the store failed to read, only when strict.
+        """
+        data = _hashing.token_bytes(token_ids)
+        first = self._first_block(start, len(data) // 4)
+        if self._shards is None:
+            groups = [(self.layout, self._pool_fingerprint)]
+        else:
+            groups = [(g.layout, g.fingerprint) for g in self._shards.groups]
+        runs = [self._fetch(layout, fp, data, salt, first)[0] for layout, fp in groups]
+        return [list(block) for block in zip(*runs)]
+
+    def _fetch(
+        self, layout, fingerprint: str, data: bytes, salt, first: int
+    ) -> tuple[list[BlockRecord], int]:
+        """The verified records of the longest stored run of blocks from block `first` on
+        under `fingerprint`, and the number of full blocks asked for."""
+        keys = [d.hex() for d in self._chain(data, salt, fingerprint)[first:]]
+        return self._store.fetch(layout, fingerprint, keys, data, first, self.block_size), len(keys)
 
     def _first_block(self, start, n_tokens: int) -> int:
         """The block `start` (a token index) begins, checked: a multiple of `block_size`."""

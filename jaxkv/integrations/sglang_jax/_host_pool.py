@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import numpy as np
@@ -136,6 +136,10 @@ class HiCacheHostPool:
         TypeError: buffers not on a `NamedSharding`.
         UnsupportedKVCacheError: sglang-jax's pool with buffers unlike its attributes.
     """
+
+    # The class the install hook put this one in place of in sglang-jax's `host_kv_pool`
+    # module (sglang-jax's own `LRUHostKVPool`), which `uninstall` puts back.
+    replaced: ClassVar[Any] = None
 
     def __init__(
         self,

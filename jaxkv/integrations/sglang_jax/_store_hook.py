@@ -90,21 +90,21 @@ def install(settings: StoreSettings | None = None) -> None:
     registry.default_radix_cache_factory = _Factory(original, settings)
 
 
-# sglang-jax's own host pool class while jaxkv's stands in its module (`init_hicache` imports
-# the class from there each time it builds a cache).
-_SGLANG_JAX_HOST_POOL: list[Any] = []
-
-
 def _set_host_pool(jaxkv_pool: bool) -> None:
+    """Puts jaxkv's host pool class in sglang-jax's `host_kv_pool` module in place of its own
+    (`init_hicache` imports the class from there each time it builds a cache), or puts its
+    own back. The class replaced is kept on jaxkv's (`replaced`), as the tree factory keeps
+    the factory it wraps: the hook's state lives in what it patched, nowhere else."""
     from sgl_jax.srt.mem_cache import host_kv_pool
 
-    if jaxkv_pool and not _SGLANG_JAX_HOST_POOL:
-        from jaxkv.integrations.sglang_jax import LRUHostKVPool
+    from jaxkv.integrations.sglang_jax import LRUHostKVPool
 
-        _SGLANG_JAX_HOST_POOL.append(host_kv_pool.LRUHostKVPool)
+    current = host_kv_pool.LRUHostKVPool
+    if jaxkv_pool and current is not LRUHostKVPool:
+        LRUHostKVPool.replaced = current
         host_kv_pool.LRUHostKVPool = LRUHostKVPool
-    elif not jaxkv_pool and _SGLANG_JAX_HOST_POOL:
-        host_kv_pool.LRUHostKVPool = _SGLANG_JAX_HOST_POOL.pop()
+    elif not jaxkv_pool and current is LRUHostKVPool:
+        host_kv_pool.LRUHostKVPool = LRUHostKVPool.replaced
 
 
 def uninstall() -> None:

@@ -7,14 +7,15 @@ counters both report to (`TierCounters`), which also reach the server's log.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from jaxkv.connector import BlockRecord, BlockStore, HostStore, StoreResult
 from jaxkv.connector.stores import FailureLog
@@ -161,9 +162,7 @@ class ReadAhead(BlockStore):
     loads the scheduler's thread runs never wait on the store; `fetch` fills it from the store
     on background threads, a `_BATCH` of blocks at a time.
 
-    While `seen()` is open, every key asked for (`contains_many`) or served (`get_many`) is
-    recorded with its answer: that is how the tier learns the keys the connector uses for a
-    prompt, per shard of a sharded pool, without computing them itself.
+    Records a load checked are held (`pin`) until the load writes them, and answered first.
 
     Args:
         store: the store.
@@ -190,7 +189,8 @@ class ReadAhead(BlockStore):
         self._count_as = counters.count
         self._on_error = counters.failed
         self._missing = missing
-        self._seen: list[tuple[list[str], list[bool]]] | None = None
+        # Records a load checked and holds until it writes them (see `pin`), per key.
+        self._pinned: dict[str, list[BlockRecord]] = {}
         self._jobs: collections.OrderedDict[str, _Prefetch] = collections.OrderedDict()
         self._running = 0
         # Progress of every prefetch: blocks landed so far, and whether the store stalled.
@@ -199,38 +199,70 @@ class ReadAhead(BlockStore):
         self._stalled = False
         self._threads = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="jaxkv-prefetch")
 
-    @contextlib.contextmanager
-    def seen(self) -> Iterator[list[tuple[list[str], list[bool]]]]:
-        """Records, while open, the keys asked for or served, each call's with its answers
-        (the scheduler's thread alone calls this)."""
-        seen: list[tuple[list[str], list[bool]]] = []
-        self._seen = seen
-        try:
-            yield seen
-        finally:
-            self._seen = None
+    def pin(self, records: Sequence[BlockRecord]) -> list[str]:
+        """Holds copies of `records` (read from this side) until `unpin`: a load checked now
+        and written later reads them, whatever the prefetches evict meanwhile. Returns their
+        keys."""
+        held = [
+            dataclasses.replace(r, parts={k: np.array(v) for k, v in r.parts.items()}, source=None)
+            for r in records
+        ]
+        with self._lock:
+            for record in held:
+                self._pinned.setdefault(record.key, []).append(record)
+        return [r.key for r in held]
+
+    def unpin(self, keys: Sequence[str]) -> None:
+        """Lets go of records `pin` held (once per `pin` of each)."""
+        with self._lock:
+            for key in keys:
+                copies = self._pinned.get(key)
+                if copies:
+                    copies.pop()
+                    if not copies:
+                        del self._pinned[key]
+
+    def missing(self, blocks: Sequence[Sequence[str]]) -> list[list[str]]:
+        """Per shard, its keys among `blocks` (per block, one key per shard) from the first
+        one not in host memory on; shards holding them all are left out."""
+        out = []
+        for keys in zip(*blocks):
+            held = self.contains_many(list(keys), stop_at_miss=True).values
+            if False in held:
+                out.append(list(keys[held.index(False) :]))
+        return out
 
     def contains(self, key: str) -> bool:
-        return self.cache.contains(key)
+        return self.contains_many([key]).values[0]
 
     def contains_many(
         self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
     ) -> StoreResult[list[bool]]:
-        held = self.cache.contains_many(keys, stop_at_miss=stop_at_miss, strict=strict)
-        if self._seen is not None:
-            self._seen.append((list(keys), list(held.values)))
-        return held
+        with self._lock:
+            pinned = [k in self._pinned for k in keys]
+        if not any(pinned):
+            return self.cache.contains_many(keys, stop_at_miss=stop_at_miss, strict=strict)
+        got = self.cache.contains_many(keys, strict=strict)
+        held = [p or g for p, g in zip(pinned, got.values)]
+        if stop_at_miss and False in held:
+            held[held.index(False) :] = [False] * (len(held) - held.index(False))
+        return StoreResult(held, got.errors)
 
     def get(self, key: str):
-        return self.cache.get(key)
+        return self.get_many([key]).values[0]
 
     def get_many(
         self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
     ) -> StoreResult[list[BlockRecord | None]]:
-        got = self.cache.get_many(keys, stop_at_miss=stop_at_miss, strict=strict)
-        if self._seen is not None:
-            self._seen.append((list(keys), [r is not None for r in got.values]))
-        return got
+        with self._lock:
+            pinned = [self._pinned[k][-1] if k in self._pinned else None for k in keys]
+        if not any(r is not None for r in pinned):
+            return self.cache.get_many(keys, stop_at_miss=stop_at_miss, strict=strict)
+        got = self.cache.get_many(keys, strict=strict)
+        records = [p if p is not None else g for p, g in zip(pinned, got.values)]
+        if stop_at_miss and None in records:
+            records[records.index(None) :] = [None] * (len(records) - records.index(None))
+        return StoreResult(records, got.errors)
 
     def put(self, record) -> bool:
         return self.cache.put(record)

@@ -20,8 +20,14 @@ Its seams are the tree's own methods (sglang-jax's code is unchanged):
   or the round's `wait_s` is spent), then reports the blocks in host memory as host hits
   (`host_hit_length`), as HiCache reports its own.
 - `init_load_back` (the scheduler's call for a host hit): HiCache's host part first, then the
-  prefetched blocks are copied into new device slots and inserted into the tree as device
-  nodes; both evict unlocked cached prefixes for room, as SGLang's HiCache does.
+  prefetched blocks are checked, held in host memory and inserted into the tree as device
+  nodes in newly allocated slots; both evict unlocked cached prefixes for room, as SGLang's
+  HiCache does. The match hands its store hit to `init_load_back` through the match result's
+  `last_host_node`, which the scheduler passes back unread: the one channel sglang-jax offers
+  from a match to its load.
+- `finish_load_back` (the scheduler's call where writing the pool is safe, before the forward
+  that reads it: HiCache's own host pages are written there): the held blocks are copied into
+  their slots. The store's part of a load rides in sglang-jax's flush plan beside HiCache's.
 
 Writes and reads run in the background; the scheduler's thread copies host memory (the
 snapshot, the prefetched blocks) and waits only for a prefetch that makes progress. A failing
@@ -119,6 +125,31 @@ class _StoreHit:
     start: int
     device_indices: np.ndarray
     host_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoreLoad:
+    """Store blocks `load_back` inserted into the tree, to be written into their device slots
+    by `finish_load_back`; it rides in sglang-jax's flush plan beside HiCache's own entries.
+
+    Attributes:
+        ids: the prompt's token ids to the end of the blocks.
+        slots: the device slots of the tokens from `start` on.
+        salt: the connector's salt.
+        start: the first token of the blocks.
+        keys: the blocks' keys, held in host memory (pinned) until written.
+        duplicate: the leading slots the tree did not take (another request inserted those
+            tokens first), freed once written.
+        dp_rank: the data rank of the slots.
+    """
+
+    ids: np.ndarray
+    slots: np.ndarray
+    salt: str | None
+    start: int
+    keys: list[str]
+    duplicate: int
+    dp_rank: int
 
 
 def _salt(extra_key: object) -> str | None:
@@ -223,13 +254,13 @@ class StoreTier:
         ids = np.asarray(key.token_ids[:want], dtype=np.int64)
         salt = _salt(key.extra_key)
         self._count("lookups")
-        with self._ahead.seen() as asked:
-            found = self.reader.lookup(ids, salt=salt, start=start)
+        found = self.reader.lookup(ids, salt=salt, start=start)
         if start + found < want:
             # Per shard, its keys from the first one not in host memory on. One prefetch per
             # prompt and first block: the last key names the tokens (and salt) before it.
-            missing = [keys[held.index(False) :] for keys, held in asked if False in held]
-            job = self._ahead.fetch(missing, f"{asked[0][0][-1]}@{start}")
+            keys = self.reader.block_keys(ids, salt=salt)
+            missing = self._ahead.missing(keys[(start + found) // bs :])
+            job = self._ahead.fetch(missing, f"{keys[-1][0]}@{start}") if missing else None
             if job is not None and self._budget > 0:
                 waited = self._ahead.wait(job, self._budget)
                 self._budget -= waited
@@ -289,43 +320,65 @@ class StoreTier:
         if slots is None:
             return host
         slots = np.asarray(slots, dtype=np.int32)
+        blocks: list = []
         try:
-            with self._ahead.seen() as served:
-                got = self._load(hit, slots)
-        except Exception as err:  # damaged records, or a failing transfer: recomputed
+            ids = hit.ids[: hit.start + len(slots)]
+            blocks = self.reader.fetch(ids, salt=hit.salt, start=hit.start)
+            # Checked now and held in host memory until `finish_load_back` writes them.
+            keys = self._ahead.pin([r for block in blocks for r in block])
+        except Exception as err:  # damaged records, or a failing read: recomputed
             self._failed("load", err)
-            got = 0
+            blocks, keys = [], []
+        got = len(blocks) * bs
         end = hit.start + got
         if end <= held:
+            self._ahead.unpin(keys)
             allocator.free(slots, dp_rank=dp_rank)
             return host
         prefix = np.concatenate([hit.device_indices, host_indices]).astype(np.int32)
         value = np.concatenate([prefix[: hit.start], slots[:got]])
         inserted = tree.insert(InsertParams(key=hit.key[:end], value=value))
         # The tree holds tokens [0, prefix_len) already (from `held` on, none unless another
-        # request inserted them since the match) and took the slots of [prefix_len, end).
+        # request inserted them since the match) and took the slots of [prefix_len, end). The
+        # slots of blocks it did not take are written all the same (a block loads whole) and
+        # freed once written; those past the load are freed now.
         duplicate = max(inserted.prefix_len - hit.start, 0)
-        unused = np.concatenate([slots[:duplicate], slots[got:]])
-        if len(unused):
-            allocator.free(unused, dp_rank=dp_rank)
+        if len(slots) > got:
+            allocator.free(slots[got:], dp_rank=dp_rank)
         # Blocks read from the store are held there: the write side need not ask again.
-        self._known.remember([k for keys, got in served for k, ok in zip(keys, got) if ok])
+        self._known.remember(keys)
         self._count("loads")
         self._count("loaded_tokens", end - held)
+        load = _StoreLoad(hit.ids[:end], slots[:got], hit.salt, hit.start, keys, duplicate, dp_rank)
         matched = tree.match_prefix(MatchPrefixParams(key=hit.key[:end], full_only=True))
-        return matched.device_indices[len(hit.device_indices) :], matched.last_device_node, plan
+        return (
+            matched.device_indices[len(hit.device_indices) :],
+            matched.last_device_node,
+            [
+                *plan,
+                load,
+            ],
+        )
 
-    def _load(self, hit: _StoreHit, slots: np.ndarray) -> int:
-        """Copies `hit`'s blocks from host memory into `slots`; the tokens copied."""
-        barrier = getattr(self.tree, "_donation_barrier", None)
-        if barrier is not None:
-            # The overlap scheduler's: until the last forward's launch rebinds kv_buffer, the
-            # buffers the pool holds are being donated to it.
-            barrier()
-        pool = self.tree.token_to_kv_pool_allocator.get_kvcache()
-        ids = hit.ids[: hit.start + len(slots)]
-        _, got = self.reader.load(pool, ids, slots, salt=hit.salt, start=hit.start)
-        return got
+    def finish_load_back(self, loads: list[_StoreLoad]) -> None:
+        """Writes the blocks `load_back` promised into their device slots: sglang-jax calls
+        its `finish_load_back` where writing the pool is safe (no forward holds its donated
+        buffers), before the forward that reads them."""
+        allocator = self.tree.token_to_kv_pool_allocator
+        for load in loads:
+            try:
+                pool = allocator.get_kvcache()
+                _, got = self.reader.load(
+                    pool, load.ids, load.slots, salt=load.salt, start=load.start
+                )
+                if got < len(load.slots):  # the pinned records are held: a failed transfer
+                    raise RuntimeError(f"loaded {got} of {len(load.slots)} tokens")
+            except Exception as err:
+                self._failed("load", err)
+            finally:
+                self._ahead.unpin(load.keys)
+                if load.duplicate:
+                    allocator.free(load.slots[: load.duplicate], dp_rank=load.dp_rank)
 
     # ---- write ----------------------------------------------------------------------------
 
@@ -481,6 +534,13 @@ def radix_cache_class() -> Any:
                     # would hang below a host tombstone.
                     return host
             return self.jaxkv.load_back(hit, host, mem_quota)
+
+        def finish_load_back(self, flush_plan):
+            # The scheduler's donation-safe window: HiCache's host pages, then the store's.
+            ours = [p for p in flush_plan if isinstance(p, _StoreLoad)]
+            super().finish_load_back([p for p in flush_plan if not isinstance(p, _StoreLoad)])
+            if ours:
+                self.jaxkv.finish_load_back(ours)
 
         def write_backup(self, node, write_back=False):
             pages = super().write_backup(node, write_back)
