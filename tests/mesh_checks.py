@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxkv  # noqa: E402
+from jaxkv import testing  # noqa: E402
 from jaxkv.connector import DiskStore, HostStore, KVConnector, min_block_count  # noqa: E402
 
 HEADS = P(None, "tp", None)
@@ -104,32 +105,22 @@ def values(pool, name: str, t: int, rng, sharding=None):
     return out
 
 
-def bits(pool) -> dict[str, list[np.ndarray]]:
-    return {name: [np.asarray(b) for b in getattr(pool, name)] for name in type(pool).BUFFERS}
-
-
-def shardings(pool) -> list:
-    return [b.sharding for name in type(pool).BUFFERS for b in getattr(pool, name)]
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        all(np.array_equal(x, y) for x, y in zip(a[k], b[k])) for k in a
-    )
+def buffers(pool) -> dict[str, list]:
+    """`pool`'s buffers by name: compared across placements, which its pytree structure (its
+    sharding is static) tells apart."""
+    return {name: list(getattr(pool, name)) for name in type(pool).BUFFERS}
 
 
 def check_kind(kind: str, mesh, spec, rng) -> None:
     sharding = NamedSharding(mesh, spec)
     pool, ref = make(kind, sharding), make(kind, None)
-    placed = shardings(pool)
-    traces = []
+    placed = testing.shardings(pool)
 
     def step(p, loc, *args):
-        traces.append(1)
         return getattr(p, name)(1, loc, *args)
 
     for name in SETTERS[kind]:
-        jitted = jax.jit(step, donate_argnums=0)
+        jitted = jax.jit(testing.traced_once(step), donate_argnums=0)  # one trace per setter
         for start in (1, 33):  # eager writes layer 0; two jitted calls write layer 1
             loc = np.arange(start, start + 16)
             args = values(pool, name, 16, rng)
@@ -137,9 +128,8 @@ def check_kind(kind: str, mesh, spec, rng) -> None:
             ref = getattr(ref, name)(0, loc, *args)
             pool = jitted(pool, jnp.asarray(loc), *args)
             ref = getattr(ref, name)(1, loc, *args)
-        assert shardings(pool) == placed, (kind, name, "sharding lost")
-    assert len(traces) == len(SETTERS[kind]), (kind, "retraced", len(traces))
-    assert same(bits(pool), bits(ref)), (kind, "differs from the one-device pool")
+        testing.assert_shardings_kept(placed, pool)
+    testing.assert_bits_equal(buffers(pool), buffers(ref))  # the one-device pool's bits
 
     # Connector: store rows 1..48, reload them at 1025.., compare with the one-device pool.
     tokens, slots, dest = np.arange(48), np.arange(1, 49), np.arange(1025, 1073)
@@ -150,15 +140,15 @@ def check_kind(kind: str, mesh, spec, rng) -> None:
     pool, n = conn.load(pool, tokens, dest)
     ref, m = one.load(ref, tokens, dest)
     assert n == m == 48, (kind, n, m)
-    assert shardings(pool) == placed, (kind, "sharding lost by load")
-    assert same(bits(pool), bits(ref)), (kind, "load differs from the one-device pool")
+    testing.assert_shardings_kept(placed, pool)
+    testing.assert_bits_equal(buffers(pool), buffers(ref))
     # Each shard is stored once, whatever its replicas (the 2-D mesh holds two of each): the
     # bytes stored are the one-device pool's. export_blocks still returns full rows.
     split = spec == HEADS
     stored, want = conn.stats()["bytes_stored"], one.stats()["bytes_stored"]
     assert stored == want, (kind, stored, want)
     full, whole = conn.export_blocks(pool, slots), one.export_blocks(ref, slots)
-    assert same({k: [v] for k, v in full.items()}, {k: [v] for k, v in whole.items()}), kind
+    testing.assert_bits_equal(full, whole)
     # A replicated pool's shard is the whole buffer: its keys are the one-device pool's.
     if not split:
         assert one.lookup(tokens) == 48 and conn.block_hashes(tokens) == one.block_hashes(tokens)
@@ -203,9 +193,10 @@ def check_degrees(rng) -> None:
         conn = KVConnector(other, store)
         assert conn.fingerprint != tp8_fingerprint  # no blocks shared
         assert conn.lookup(tokens) == 0
-        before = bits(other)
+        before = testing.buffer_bits(other)
         other, n = conn.load(other, tokens, slots)
-        assert n == 0 and same(bits(other), before)
+        assert n == 0
+        testing.assert_unchanged(before, other)
     # A connector refuses a pool placed otherwise than the one it was made for.
     conn = KVConnector(tp8, store)
     try:

@@ -12,7 +12,7 @@ import pytest
 from helpers import SMALL_DECODER as SMALL
 from helpers import run_python
 
-from jaxkv import PagedAllocator, RadixCache, ReqToTokenPool, demo
+from jaxkv import PagedAllocator, RadixCache, ReqToTokenPool, demo, testing
 from jaxkv.connector import DiskStore, HostStore, KVConnector
 from jaxkv.models import (
     LOGIT_BOUNDS,
@@ -50,10 +50,6 @@ def shared_prefix_requests(seed=0, prefix_len=70, new_tokens=4):
         )
         for i, n in enumerate((5, 12, 1, 30))
     ]
-
-
-def pointers(pool):
-    return [leaf.unsafe_buffer_pointer() for leaf in jax.tree_util.tree_leaves(pool)]
 
 
 def assert_same_outputs(want, got, dtype=BF16):
@@ -280,7 +276,7 @@ def test_serving_steps_keep_the_pool_in_place(prefix_cache):
     engine = Engine(
         model, params, store=HostStore(1 << 20), **{**ENGINE, "prefix_cache": prefix_cache}
     )
-    before = pointers(engine.pool)
+    before = testing.buffer_pointers(engine.pool)
     requests = shared_prefix_requests(seed=4)
     engine.generate(requests)
     if prefix_cache:  # the device gives up the prefix: the next call loads it back
@@ -289,7 +285,7 @@ def test_serving_steps_keep_the_pool_in_place(prefix_cache):
         tree.evict(tree.evictable_size(), pool=engine.pool)
         engine.generate(requests[:1])
     # Prefill, decode and the connector's loads all wrote into the same buffers.
-    assert pointers(engine.pool) == before
+    testing.assert_updated_in_place(before, engine.pool)
     assert engine.stats["decode_steps"] > 0 and engine.stats["reused_tokens"] > 0
     engine.close()
 
@@ -298,7 +294,7 @@ def test_one_decode_step_writes_its_row_in_place():
     model, params = small_model()
     engine = Engine(model, params, **ENGINE)
     pool = engine.pool
-    before = pointers(pool)
+    before = testing.buffer_pointers(pool)
     # Row 1 maps positions 0..5 to slots 32..37: five cached tokens and the step's new one,
     # written at slot 37; entry 1 is padding (row 0, its write dropped). Context 128: the
     # bucket the other tests' decode steps compiled at this batch size.
@@ -308,7 +304,7 @@ def test_one_decode_step_writes_its_row_in_place():
         np.array([5, 0], np.int32), np.array([1, 0], np.int32), np.array([[37], [-1]], np.int32),
         ctx=128,
     )  # fmt: skip
-    assert pointers(pool) == before
+    testing.assert_updated_in_place(before, pool)
     assert logits.shape == (2, model.cfg.vocab_size)
     k = np.asarray(pool.get_key_buffer(0), np.float32)
     assert np.abs(k[37]).sum() > 0 and np.abs(k[38:]).sum() == 0

@@ -1,4 +1,4 @@
-"""Shared helpers of the SGLang comparison tests: pool factories, random fills, raw bytes.
+"""Shared helpers of the SGLang comparison tests: pool factories, random fills, raw bits.
 
 Importing this module sets TRITON_INTERPRET=1 (as conftest.py does first): SGLang's Triton
 kernels then run on the CPU through Triton's interpreter.
@@ -21,6 +21,7 @@ from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
 )
 
 import jaxkv  # noqa: E402
+from jaxkv import testing  # noqa: E402
 
 # (torch dtype, jnp dtype) of every pool dtype both sides support.
 DTYPES = {
@@ -93,27 +94,21 @@ def fill_random(pool, kind: str, seed: int) -> None:
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
 
 
-def bits(x) -> np.ndarray:
-    """A host copy of the raw bytes of a torch tensor, jax array or numpy array, shaped
-    `(*x.shape[:-1], x.shape[-1] * itemsize)`."""
-    if hasattr(x, "data_ptr"):
-        return x.detach().contiguous().view(torch.uint8).numpy().copy()
-    arr = np.array(x, copy=True)
-    return arr.view(np.uint8)
+def buffers(pool, kind: str) -> dict[str, list]:
+    """Every buffer of an SGLang or jaxkv pool by attribute name, per layer: a pytree that
+    `jaxkv.testing` reads (torch tensors and jax arrays alike)."""
+    return {a: list(getattr(pool, a)) for a in BUFFERS[kind]}
 
 
 def raw(pool, kind: str) -> dict[str, list[np.ndarray]]:
-    """Host copies of every buffer's bytes, per attribute and layer."""
-    return {a: [bits(b) for b in getattr(pool, a)] for a in BUFFERS[kind]}
-
-
-def pointers(pool, kind: str) -> dict[str, list[int]]:
-    return {a: [b.data_ptr() for b in getattr(pool, a)] for a in BUFFERS[kind]}
+    """Every buffer's raw bits (`jaxkv.testing.buffer_bits`), per attribute and layer."""
+    return {a: testing.buffer_bits(layers) for a, layers in buffers(pool, kind).items()}
 
 
 def expected_load(before, src, src_slots, dst_slots, page_size: int):
-    """The bytes a bit-exact load of rows `src_slots` into rows `dst_slots` leaves, per
-    buffer: token rows, and for NSA each token's index key bytes and scale in its page."""
+    """The bits a bit-exact load of rows `src_slots` into rows `dst_slots` leaves, per
+    buffer (from `raw`): token rows, and for NSA each token's index key bytes and scale in
+    its page (index buffers are bytes)."""
     out = {a: [b.copy() for b in layers] for a, layers in before.items()}
     for attr, layers in out.items():
         for li, dst in enumerate(layers):
@@ -130,11 +125,3 @@ def expected_load(before, src, src_slots, dst_slots, page_size: int):
                     ps, keys + 4 * os_ : keys + 4 * os_ + 4
                 ]
     return out
-
-
-def assert_raw_equal(got, want) -> None:
-    for attr in want:
-        for li, (g, w) in enumerate(zip(got[attr], want[attr])):
-            assert g.shape == w.shape, f"{attr}[{li}]: shape {g.shape} != {w.shape}"
-            bad = np.argwhere(g != w)
-            assert bad.size == 0, f"{attr}[{li}]: {len(bad)} bytes differ, first at {bad[0]}"

@@ -16,16 +16,16 @@ from sgl_helpers import (
     DTYPES,
     FP8,
     NSA_PAGE,
-    assert_raw_equal,
+    buffers,
     expected_load,
     fill_random,
     jaxkv_pool,
-    pointers,
     raw,
     sglang_pool,
 )
 
 import jaxkv
+from jaxkv import testing
 from jaxkv.connector import DiskStore, HostStore, KVConnector, _foreign
 
 # (kind, dtype, page_size, size): SGLang's MHA pools in all five dtypes, its K-only pool, its
@@ -60,13 +60,17 @@ def _roundtrip(src, dst, kind, page_size, size, store, *, src_pages, dst_pages):
     n_blocks = len(src_slots) // conn.block_size
     assert conn.store(src, tokens, src_slots) == n_blocks
     lists = {a: getattr(dst, a) for a in BUFFERS[kind]}
-    ptrs, before, src_raw = pointers(dst, kind), raw(dst, kind), raw(src, kind)
+    ptrs, before, src_raw = (
+        testing.buffer_pointers(buffers(dst, kind)),
+        raw(dst, kind),
+        raw(src, kind),
+    )
     out, n = conn.load(dst, tokens, dst_slots)
     assert out is dst and n == n_blocks * conn.block_size
-    assert pointers(dst, kind) == ptrs, "a load must write into the caller's tensors"
+    testing.assert_updated_in_place(ptrs, buffers(dst, kind))  # into the caller's tensors
     assert all(getattr(dst, a) is lists[a] for a in lists)
     want = expected_load(before, src_raw, src_slots[:n], dst_slots[:n], page_size)
-    assert_raw_equal(raw(dst, kind), want)
+    testing.assert_bits_equal(raw(dst, kind), want)
     return conn
 
 

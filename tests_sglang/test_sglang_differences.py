@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from sgl_helpers import bits, jaxkv_pool, sglang_pool
+from sgl_helpers import jaxkv_pool, sglang_pool
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
 import jaxkv
+from jaxkv import testing
 
 
 def _paged(size=16, page_size=4, need_sort=True):
@@ -85,7 +86,7 @@ def test_slot_minus_1_wraps_to_the_last_row_in_sglang_and_is_dropped_by_jaxkv():
     sgl.set_kv_buffer(None, torch.tensor([-1]), k, v, layer_id_override=0)
     assert torch.equal(sgl.k_buffer[0][-1], k[0])  # row 8, a real slot, overwritten
     jx = jx.set_kv(0, np.array([-1]), jnp.ones((1, 2, 8), jnp.bfloat16), jnp.ones((1, 2, 4)))
-    assert not bits(jx.k_buffer[0]).any()
+    assert not testing.raw_bits(jx.k_buffer[0]).any()
 
 
 def test_sglang_divides_the_callers_tensor_in_place():
@@ -97,7 +98,7 @@ def test_sglang_divides_the_callers_tensor_in_place():
     k_np, v_np = np.full((1, 2, 8), 2.0, np.float32), np.full((1, 2, 4), 2.0, np.float32)
     jx = jx.set_kv(0, np.array([1]), k_np, v_np, 0.5, 0.25)
     assert (k_np == 2.0).all() and (v_np == 2.0).all()
-    assert np.array_equal(bits(jx.k_buffer[0]), bits(sgl.k_buffer[0]))  # same bits stored
+    testing.assert_bits_equal(testing.raw_bits(jx.k_buffer[0]), testing.raw_bits(sgl.k_buffer[0]))
 
 
 def test_sglang_k_only_set_k_buffer_forgets_start_layer():
@@ -109,7 +110,7 @@ def test_sglang_k_only_set_k_buffer_forgets_start_layer():
     assert torch.equal(sgl.get_key_buffer(4)[1], k[0])  # local 2 (global 4) was
     jx = jx.set_k(2, np.array([1]), jnp.ones((1, 2, 8), jnp.bfloat16))
     assert float(jx.get_key_buffer(2)[1, 0, 0]) == 1.0
-    assert not bits(jx.k_buffer[2]).any()
+    assert not testing.raw_bits(jx.k_buffer[2]).any()
 
 
 def test_sglang_mla_writers_skip_slot_0_and_jaxkv_writes_it():

@@ -15,8 +15,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from sgl_helpers import DTYPES, FP8, NSA_PAGE, bits, jaxkv_pool, sglang_pool
+from sgl_helpers import DTYPES, FP8, NSA_PAGE, jaxkv_pool, sglang_pool
 from sglang.kernels.ops.quantization.act_quant_triton import act_quant
+
+from jaxkv import testing
 
 T = 12  # tokens per write
 SIZE, PAGE = 32, 4
@@ -31,10 +33,7 @@ def _values(shape, dtype: str, seed: int, spread: float = 4.0) -> torch.Tensor:
 def _as_jax(x: torch.Tensor):
     """The same values as a jax array of the same dtype (through raw bits: numpy has no bf16
     or fp8 of its own)."""
-    name = str(x.dtype).removeprefix("torch.")
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()]
-    raw = x.view(width).numpy()
-    return jnp.asarray(raw.view(jnp.dtype(name)))
+    return jnp.asarray(testing.raw_bits(x).view(jnp.dtype(str(x.dtype).removeprefix("torch."))))
 
 
 def _loc(seed: int, rows: int) -> np.ndarray:
@@ -44,14 +43,13 @@ def _loc(seed: int, rows: int) -> np.ndarray:
 
 
 def _assert_same_buffers(sgl, jx, attrs, where):
-    for attr in attrs:
-        for li, (s, j) in enumerate(zip(getattr(sgl, attr), getattr(jx, attr))):
-            a, b = bits(s), bits(j)
-            bad = np.argwhere(a != b)
-            assert bad.size == 0, (
-                f"{where}: {attr}[{li}] differs in {len(bad)} of {a.size} bytes, first at "
-                f"{tuple(bad[0])}: SGLang {a[tuple(bad[0])]}, jaxkv {b[tuple(bad[0])]}"
-            )
+    """SGLang's buffers `attrs` hold jaxkv's bits (SGLang's bf16 tensors against jaxkv's raw
+    uint16: the raw bits are compared)."""
+
+    def bits(pool):
+        return {f"{where}: {a}": testing.buffer_bits(getattr(pool, a)) for a in attrs}
+
+    testing.assert_bits_equal(bits(jx), bits(sgl))
 
 
 def _inputs(pool_dtype: str) -> list[str]:
@@ -211,8 +209,8 @@ def test_nsa_index_k_against_the_triton_fallback():
     codes, scale = act_quant(x.contiguous())
     sgl.set_index_k_scale_buffer(0, torch.from_numpy(loc), codes, scale)
     jx = jx.set_index_k(0, loc, _as_jax(x))
-    theirs = _records(bits(sgl.index_k_with_scale_buffer[0]), loc, NSA_PAGE)
-    ours = _records(bits(jx.index_k_with_scale_buffer[0]), loc, NSA_PAGE)
+    theirs = _records(testing.raw_bits(sgl.index_k_with_scale_buffer[0]), loc, NSA_PAGE)
+    ours = _records(testing.raw_bits(jx.index_k_with_scale_buffer[0]), loc, NSA_PAGE)
     floor = np.maximum(x.abs().amax(-1).numpy(), np.float32(1e-4))
     by_division = (floor / np.float32(448)).astype(np.float32)
     triton_scale = scale.numpy()[:, 0]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sgl_helpers import BUFFERS, DTYPES, NSA_PAGE, bits, fill_random, jaxkv_pool, sglang_pool
+from sgl_helpers import BUFFERS, DTYPES, NSA_PAGE, buffers, fill_random, jaxkv_pool, sglang_pool
 
+from jaxkv import testing
 from jaxkv.connector import HostStore, KVConnector
 
 CASES = (
@@ -24,7 +25,7 @@ CASES = (
 
 
 def _rows(buffers_bytes, attr, slots, page_size):
-    """Per layer, the bytes of the tokens at `slots` (NSA index: key bytes then scale)."""
+    """Per layer, the bits of the tokens at `slots` (NSA index: key bytes then scale)."""
     out = []
     for buf in buffers_bytes:
         if attr != "index_k_with_scale_buffer":
@@ -46,7 +47,7 @@ def _rows(buffers_bytes, attr, slots, page_size):
 
 def _pool_rows(pool, kind, slots, page_size):
     return {
-        a: _rows([bits(b) for b in getattr(pool, a)], a, slots, page_size) for a in BUFFERS[kind]
+        a: _rows(testing.buffer_bits(getattr(pool, a)), a, slots, page_size) for a in BUFFERS[kind]
     }
 
 
@@ -76,10 +77,10 @@ def test_sglang_to_jaxkv_and_back(kind, dtype, page_size, size):
     assert to_sglang.store(jx, tokens, dst) == 2
     fresh = sglang_pool(kind, dtype, size=size, page_size=page_size)
     fill_random(fresh, kind, 12)
-    ptrs = {a: [b.data_ptr() for b in getattr(fresh, a)] for a in BUFFERS[kind]}
+    ptrs = testing.buffer_pointers(buffers(fresh, kind))
     out, n = to_sglang.load(fresh, tokens, src)
     assert out is fresh and n == 2 * bs
-    assert {a: [b.data_ptr() for b in getattr(fresh, a)] for a in BUFFERS[kind]} == ptrs
+    testing.assert_updated_in_place(ptrs, buffers(fresh, kind))
     back = _pool_rows(fresh, kind, src, page_size)
     for attr in want:
         for li, (g, w) in enumerate(zip(back[attr], want[attr])):

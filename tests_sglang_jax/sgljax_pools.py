@@ -37,6 +37,8 @@ from jax.sharding import PartitionSpec as P
 from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sgl_jax.srt.utils.mesh_utils import create_device_mesh
 
+from jaxkv import testing
+
 # Pages a round trip uses: a prefix in pages 1-2 (page 0 is the padding page), loaded into
 # pages 3-4. Pools are sized so that every slot of those pages is below the page count, where
 # a reader that takes the page axis for token rows accepts the slots.
@@ -320,16 +322,15 @@ def write_indexer(pool, slot_id: int, page_ids, keys: np.ndarray) -> list[int]:
     return [page_ids[t // pool.page_size] * pool.page_size + t % pool.page_size for t in range(n)]
 
 
-def bits(x) -> np.ndarray:
-    """Host copy of an array as unsigned integers of its width (bit-exact comparisons); a
-    copy, never a view, so it holds no pool memory a later in-place update needs."""
-    a = np.array(x)
-    return a.view(f"u{a.dtype.itemsize}")
+def buffers(pool) -> dict[str, list]:
+    """Every buffer of `pool` per attribute (the indexer's when it has one): a pytree that
+    `jaxkv.testing` reads."""
+    out = {"kv_buffer": list(pool.kv_buffer)}
+    if getattr(pool, "indexer_key_buffer", None):
+        out["indexer_key_buffer"] = list(pool.indexer_key_buffer)
+    return out
 
 
 def pool_bits(pool) -> dict[str, list[np.ndarray]]:
-    """Every buffer of `pool`, as bits, per attribute."""
-    out = {"kv_buffer": [bits(b) for b in pool.kv_buffer]}
-    if getattr(pool, "indexer_key_buffer", None):
-        out["indexer_key_buffer"] = [bits(b) for b in pool.indexer_key_buffer]
-    return out
+    """Every buffer of `pool`, as raw bits (`jaxkv.testing.buffer_bits`), per attribute."""
+    return {attr: testing.buffer_bits(layers) for attr, layers in buffers(pool).items()}

@@ -36,6 +36,7 @@ from sgl_jax.srt.mem_cache.kv_cache_builder import build_kv_cache, init_hicache
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool
 from sgl_jax.srt.mem_cache.radix_cache import RadixKey
 
+from jaxkv import testing
 from jaxkv.integrations.sglang_jax import storage
 
 # Pools for the tree tests: enough pages for a prompt of several blocks plus room to load it
@@ -189,7 +190,7 @@ def serve(t: Tree, tokens) -> tuple[np.ndarray, object]:
 def rows(t: Tree, slots) -> np.ndarray:
     """The bits of every layer's entries at token `slots`: `(layers, tokens, *entry)`."""
     index = tuple(np.array([sp.token_index(t.cfg, int(s)) for s in slots]).T)
-    return np.stack([sp.bits(b)[index] for b in t.pool.kv_buffer])
+    return np.stack([testing.raw_bits(b)[index] for b in t.pool.kv_buffer])
 
 
 def balanced(t: Tree) -> bool:

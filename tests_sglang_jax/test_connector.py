@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import sgljax_pools as sp
 
+from jaxkv import testing
 from jaxkv.connector import HostStore, KVConnector
 from jaxkv.errors import UnsupportedKVCacheError
 
@@ -63,14 +64,6 @@ def _round_trip_slots(cfg) -> tuple[list[int], list[int]]:
     ]
 
 
-def _buffers(pool) -> list:
-    return list(pool.kv_buffer) + list(getattr(pool, "indexer_key_buffer", None) or ())
-
-
-def _pointers(pool) -> list[list[int]]:
-    return [[s.data.unsafe_buffer_pointer() for s in b.addressable_shards] for b in _buffers(pool)]
-
-
 def _filled(cfg, rng):
     pool = sp.build(cfg)
     _fill(cfg, pool, rng)
@@ -81,16 +74,16 @@ def _filled(cfg, rng):
 def test_round_trip_moves_exactly_the_prefix(cfg, rng):
     pool = _filled(cfg, rng)
     before = sp.pool_bits(pool)
-    shardings = [b.sharding for b in _buffers(pool)]
+    placed = testing.shardings(sp.buffers(pool))
     src, dst = _round_trip_slots(cfg)
     tokens = rng.integers(0, 50_000, len(src)).tolist()
     conn = KVConnector(pool, HostStore(1 << 26), block_size=cfg.page_size)
     assert conn.store(pool, tokens, src) == len(src) // cfg.page_size
-    pointers = _pointers(pool)
+    pointers = testing.buffer_pointers(sp.buffers(pool))
     new, loaded = conn.load(pool, tokens, dst)
     assert new is pool and loaded == len(src)
-    assert [b.sharding for b in _buffers(pool)] == shardings
-    assert _pointers(pool) == pointers  # updated in place: the donated buffers were reused
+    testing.assert_shardings_kept(placed, sp.buffers(pool))
+    testing.assert_updated_in_place(pointers, sp.buffers(pool))  # the donated buffers reused
     after = sp.pool_bits(pool)
     for attr, layers in before.items():
         for layer, (old, got) in enumerate(zip(layers, after[attr])):
@@ -116,7 +109,7 @@ def test_export_blocks_are_the_token_rows(cfg, rng):
         got = blocks[key]
         assert got.shape[:3] == (n, len(layers), cfg.page_size)
         for li, buf in enumerate(layers):
-            host = sp.bits(buf)
+            host = testing.raw_bits(buf)
             want = np.stack([host[sp.token_index(cfg, s)] for s in src])
             row = want.shape[1:]
             np.testing.assert_array_equal(got[:, li].reshape(-1, *row).view(want.dtype), want)

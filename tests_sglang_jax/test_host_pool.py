@@ -29,6 +29,7 @@ from sgl_jax.srt.mem_cache.host_kv_pool import HostKVPool
 from sgl_jax.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sgl_jax.srt.utils.mesh_utils import create_device_mesh
 
+from jaxkv import testing
 from jaxkv.connector import HostStore, KVConnector, PoolLayout
 from jaxkv.errors import UnsupportedKVCacheError
 from jaxkv.integrations.sglang_jax import LRUHostKVPool, _host_pool, _pages_on_host
@@ -125,7 +126,9 @@ def filled_with_bits(cfg, rng):
         bits.reshape(-1)[: len(special)] = special
         values = bits.view(np.dtype(buf.dtype))
         pool.kv_buffer[layer] = jax.device_put(values, buf.sharding)
-        np.testing.assert_array_equal(sp.bits(pool.kv_buffer[layer]), bits)  # put as it was
+        np.testing.assert_array_equal(
+            testing.raw_bits(pool.kv_buffer[layer]), bits
+        )  # put as it was
     return pool
 
 
@@ -158,7 +161,7 @@ def host_pool(device_pool, pool_size, **overrides):
 
 def pages_bits(device_pool, pages):
     """Per layer, the bits of device pages `pages`."""
-    return [sp.bits(buf)[list(pages)] for buf in device_pool.kv_buffer]
+    return [testing.raw_bits(buf)[list(pages)] for buf in device_pool.kv_buffer]
 
 
 def assert_pages(device_pool, pages, expected):
@@ -177,7 +180,7 @@ def test_round_trip_moves_whole_pages_bit_exact(cfg, rng, memory):
     count = min(7, n_pages // 2)  # 7 = 4 + 2 + 1: three chunks each way
     order = rng.permutation(n_pages)
     src, dst = order[:count].tolist(), order[count : 2 * count].tolist()
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
     pool = host_pool(kv, pool_size=count + 1)
     slots = [int(s) for s in pool.alloc(count)]
 
@@ -189,7 +192,7 @@ def test_round_trip_moves_whole_pages_bit_exact(cfg, rng, memory):
     for layer, buf in enumerate(kv.kv_buffer):
         want = before[layer].copy()
         want[dst] = before[layer][src]
-        np.testing.assert_array_equal(sp.bits(buf), want, err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(testing.raw_bits(buf), want, err_msg=f"layer {layer}")
         assert buf.sharding == sharding[layer]
     # The slots keep their pages: a second load gives them again.
     pool.copy_to_device(slots[:1], [src[0]])
@@ -203,7 +206,7 @@ def test_every_bit_pattern_goes_and_comes_back(cfg, rng, memory):
     # NaN payloads included: pages move as bits, never through float arithmetic, which would
     # quiet or canonicalise them.
     kv = filled_with_bits(cfg, rng)
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
     pool = host_pool(kv, pool_size=3)
     slots = [int(s) for s in pool.alloc(3)]
     pool.copy_into([0, 1, 2], slots)
@@ -211,7 +214,7 @@ def test_every_bit_pattern_goes_and_comes_back(cfg, rng, memory):
     for layer, buf in enumerate(kv.kv_buffer):
         want = before[layer].copy()
         want[[7, 8, 9]] = before[layer][[0, 1, 2]]
-        np.testing.assert_array_equal(sp.bits(buf), want, err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(testing.raw_bits(buf), want, err_msg=f"layer {layer}")
 
 
 @pytest.mark.parametrize("cfg", [pytest.param(c, id=c.name) for c in (DSA, DSA3)])
@@ -266,7 +269,7 @@ def test_a_round_trip_restores_everything_the_connector_stores(name, rng, memory
 
     stored = conn.export_blocks(kv, token_slots(src))
     assert sorted(stored) == sorted(part.key for part in parts)
-    before = {part.attr: [sp.bits(b) for b in getattr(kv, part.attr)] for part in parts}
+    before = {part.attr: [testing.raw_bits(b) for b in getattr(kv, part.attr)] for part in parts}
     pool = host_pool(kv, pool_size=2)
     slots = [int(s) for s in pool.alloc(2)]
     pool.copy_into(src, slots)
@@ -281,7 +284,9 @@ def test_a_round_trip_restores_everything_the_connector_stores(name, rng, memory
         for layer, buf in enumerate(layers):
             want = before[part.attr][layer].copy()
             want[dst] = want[src]
-            np.testing.assert_array_equal(sp.bits(buf), want, err_msg=f"{part.attr}[{layer}]")
+            np.testing.assert_array_equal(
+                testing.raw_bits(buf), want, err_msg=f"{part.attr}[{layer}]"
+            )
 
 
 @pytest.mark.parametrize(
@@ -315,20 +320,13 @@ def test_sglang_jax_pools_declare_their_families_over_data_ranks_too(rng):
     assert PoolLayout.declared_for(_Hooked(dp2)) is None  # not sglang-jax's class
 
 
-def _pointers(device_pool):
-    return [
-        [s.data.unsafe_buffer_pointer() for s in b.addressable_shards]
-        for b in device_pool.kv_buffer
-    ]
-
-
 def test_a_load_on_cpu_writes_the_device_buffers_in_place(rng):
     # The arena's load writes the pages into the buffers' own memory: the old arrays are
     # deleted, as any donation deletes them, and nothing of the buffers is copied, load after
     # load (the host views a backup reads through hold nothing back).
     kv = filled(sp.BY_NAME["mha-bf16-p4-tp2"], rng)
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
-    pointers = _pointers(kv)
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
+    pointers = testing.buffer_pointers(kv.kv_buffer)
     pool = host_pool(kv, pool_size=4)
     assert isinstance(pool._host, _pages_on_host.ArenaPages)
     slots = [int(s) for s in pool.alloc(4)]
@@ -337,14 +335,14 @@ def test_a_load_on_cpu_writes_the_device_buffers_in_place(rng):
         pool.copy_into([1, 2, 3, 4], slots)
         pool.copy_to_device(slots, [9 + round_, 11, 12, 13])
         assert all(buf.is_deleted() for buf in old)
-        assert _pointers(kv) == pointers
+        testing.assert_updated_in_place(pointers, kv.kv_buffer)
     assert_pages(kv, [10, 11, 12, 13], [b[[1, 2, 3, 4]] for b in before])
 
 
 def test_a_page_moves_with_its_heads_on_their_devices(rng, memory):
     cfg = sp.BY_NAME["mha-bf16-p4-tp2"]
     kv = filled(cfg, rng)
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
     pool = host_pool(kv, pool_size=2)
     slots = [int(s) for s in pool.alloc(2)]
     pool.copy_into([1, 2], slots)
@@ -353,14 +351,16 @@ def test_a_page_moves_with_its_heads_on_their_devices(rng, memory):
     for shard in buf.addressable_shards:
         heads = shard.index[2]
         np.testing.assert_array_equal(
-            sp.bits(shard.data)[[5, 6]], before[0][[1, 2]][:, :, heads], err_msg=str(shard.device)
+            testing.raw_bits(shard.data)[[5, 6]],
+            before[0][[1, 2]][:, :, heads],
+            err_msg=str(shard.device),
         )
 
 
 def test_slots_backed_up_apart_load_together(rng, memory):
     # Pages staged by separate backups (separate chunks in host memory) load in one call.
     kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
     pool = host_pool(kv, pool_size=5)
     slots = [int(s) for s in pool.alloc(5)]
     pool.copy_into([1, 2, 3], slots[:3])
@@ -372,7 +372,7 @@ def test_slots_backed_up_apart_load_together(rng, memory):
 def test_staged_load_flushes_in_parts(rng, memory):
     # One stage_load, flushed in two calls and another order.
     kv = filled(sp.BY_NAME["mha-f32-p4"], rng)
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
     pool = host_pool(kv, pool_size=3)
     slots = [int(s) for s in pool.alloc(3)]
     pool.copy_into([1, 2, 3], slots)
@@ -386,7 +386,7 @@ def test_staged_load_flushes_in_parts(rng, memory):
 
 def test_pages_outside_the_transfer_stay_as_they_were(rng, memory):
     kv = filled(sp.BY_NAME["mha-bf16-p4"], rng)
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
     pool = host_pool(kv, pool_size=3)
     slots = [int(s) for s in pool.alloc(3)]
     pool.copy_into([2, 3, 4], slots)
@@ -614,7 +614,7 @@ def test_free_during_a_transfer_on_another_thread_never_mixes_owners(rng, memory
     # reads back its own page, and the worker's transfer either completes for the old owner
     # or finds nothing to do.
     kv = filled(sp.BY_NAME["mha-f32-p16"], rng)
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
     pool = host_pool(kv, pool_size=8)
     old, new, dst = [1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18], list(range(30, 38))
     for _ in range(8):
@@ -680,7 +680,7 @@ def test_random_moves_match_a_model_of_the_pool(cfg, rng, memory):
     # the page its stage_load read, and the pool's other device pages stay as they were.
     kv = filled(cfg, rng)
     n_pages = kv.kv_buffer[0].shape[0]
-    device = [sp.bits(buf) for buf in kv.kv_buffer]  # the model of the device pool
+    device = [testing.raw_bits(buf) for buf in kv.kv_buffer]  # the model of the device pool
     pool = host_pool(kv, pool_size=6)
     held: dict[int, list] = {}  # slot -> the page it holds (per layer bits), once flushed
     allocated: set[int] = set()
@@ -727,7 +727,9 @@ def test_random_moves_match_a_model_of_the_pool(cfg, rng, memory):
                 for layer, d in enumerate(device):
                     d[page] = page_bits[layer]
             for layer, buf in enumerate(kv.kv_buffer):
-                np.testing.assert_array_equal(sp.bits(buf), device[layer], err_msg=f"layer {layer}")
+                np.testing.assert_array_equal(
+                    testing.raw_bits(buf), device[layer], err_msg=f"layer {layer}"
+                )
         elif op == "free" and allocated:
             slots = some(allocated, 3)
             pool.free(slots)
@@ -815,11 +817,11 @@ def test_flush_load_refuses_one_device_page_twice(rng):
     slots = [int(s) for s in pool.alloc(2)]
     pool.copy_into([1, 2], slots)
     pool.stage_load(slots)
-    before = [sp.bits(buf) for buf in kv.kv_buffer]
+    before = [testing.raw_bits(buf) for buf in kv.kv_buffer]
     with pytest.raises(ValueError, match="device_indices: expected distinct"):
         pool.flush_load(slots, [5, 5])
     for got, want in zip(kv.kv_buffer, before):
-        np.testing.assert_array_equal(sp.bits(got), want)
+        np.testing.assert_array_equal(testing.raw_bits(got), want)
     pool.flush_load(slots, [5, 6])  # still staged: the refusal took nothing
 
 

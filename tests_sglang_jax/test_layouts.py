@@ -18,6 +18,8 @@ import pytest
 import sgljax_pools as sp
 from jax.sharding import AxisType
 
+from jaxkv import testing
+
 # ---- the buffers as built ------------------------------------------------------------------
 
 
@@ -64,7 +66,7 @@ def test_heads_split_over_the_tensor_axis(cfg, rng):
     per_shard = sp.buffer_shape(cfg)[2] // cfg.tp
     for d, shard in enumerate(shards):
         assert shard.data.shape == (*sp.buffer_shape(cfg)[:2], per_shard, *sp.buffer_shape(cfg)[3:])
-        local = sp.bits(shard.data)
+        local = testing.raw_bits(shard.data)
         for t, s in enumerate(slots):
             for h in range(cfg.head_num):
                 if sp.head_device(cfg, h) != d:
@@ -72,7 +74,7 @@ def test_heads_split_over_the_tensor_axis(cfg, rng):
                 for which, x in ((0, k), (1, v)):
                     col, lane = sp.kv_index(cfg, h, which)
                     got = local[(*sp.token_index(cfg, s), col - d * per_shard, lane)]
-                    np.testing.assert_array_equal(got, sp.bits(x[t, h]))
+                    np.testing.assert_array_equal(got, testing.raw_bits(x[t, h]))
     assert {sp.head_device(cfg, h) for h in range(cfg.head_num)} == set(range(cfg.tp))
 
 
@@ -81,14 +83,16 @@ def test_heads_split_over_the_tensor_axis(cfg, rng):
 
 def _mha_expected(cfg, slots, k, v) -> np.ndarray:
     """The MHA buffer after writing `k`, `v` at `slots` into zeros, from the layout facts."""
-    out = np.zeros(sp.buffer_shape(cfg), sp.bits(k).dtype)
+    out = np.zeros(sp.buffer_shape(cfg), testing.raw_bits(k).dtype)
     for t, s in enumerate(slots):
         if s < 0:
             continue
         for h in range(cfg.head_num):
             for which, x in ((0, k), (1, v)):
                 idx = (*sp.token_index(cfg, s), *sp.kv_index(cfg, h, which))
-                out[idx][: cfg.model_head_dim] = sp.bits(x[t, h])  # columns past it stay zero
+                out[idx][: cfg.model_head_dim] = testing.raw_bits(
+                    x[t, h]
+                )  # columns past it stay zero
     return out
 
 
@@ -102,9 +106,9 @@ def test_mha_writes_land_where_the_layout_says(cfg, rng):
     v = sp.random_values(rng, k.shape, cfg.jnp_dtype)
     sp.write_mha(pool, 0, slots, k, v)
 
-    got = sp.bits(pool.get_fused_kv_buffer(0))  # what sglang-jax's attention reads
+    got = testing.raw_bits(pool.get_fused_kv_buffer(0))  # what sglang-jax's attention reads
     np.testing.assert_array_equal(got, _mha_expected(cfg, slots, k, v))
-    assert not sp.bits(pool.kv_buffer[1]).any()  # the other layer untouched
+    assert not testing.raw_bits(pool.kv_buffer[1]).any()  # the other layer untouched
     # The padding page and any head_dim padding hold zeros.
     assert not got[0].any()
     assert not got[..., cfg.model_head_dim :].any()
@@ -125,7 +129,7 @@ def test_mha_pool_below_128_is_not_writable_by_sglang_jax(cfg, rng):
     k = sp.random_values(rng, (3, cfg.head_num, cfg.model_head_dim), cfg.jnp_dtype)
     with pytest.raises((ValueError, TypeError)):  # K and V padded to 128 do not fit
         sp.write_mha(pool, 0, [cfg.page_size, cfg.page_size + 1, -1], k, k)
-    assert not sp.bits(pool.kv_buffer[0]).any()
+    assert not testing.raw_bits(pool.kv_buffer[0]).any()
 
 
 def _mla_pages(cfg) -> tuple[list[int], int]:
@@ -147,19 +151,23 @@ def test_mla_writes_land_where_the_layout_says(cfg, rng):
     ]
 
     nope, _ = sp.latent_dims(cfg)
-    want = np.zeros(sp.buffer_shape(cfg), sp.bits(kv_c).dtype)
+    want = np.zeros(sp.buffer_shape(cfg), testing.raw_bits(kv_c).dtype)
     for t, s in enumerate(slots):
-        want[sp.token_index(cfg, s)][: cfg.kv_lora_rank] = sp.bits(kv_c[t])
-        want[sp.token_index(cfg, s)][nope : nope + cfg.qk_rope_head_dim] = sp.bits(k_pe[t])
-    got = sp.bits(pool.get_fused_kv_buffer(0))
+        want[sp.token_index(cfg, s)][: cfg.kv_lora_rank] = testing.raw_bits(kv_c[t])
+        want[sp.token_index(cfg, s)][nope : nope + cfg.qk_rope_head_dim] = testing.raw_bits(k_pe[t])
+    got = testing.raw_bits(pool.get_fused_kv_buffer(0))
     np.testing.assert_array_equal(got, want)  # padding columns, rows and pages stay zero
-    assert not sp.bits(pool.kv_buffer[1]).any()
+    assert not testing.raw_bits(pool.kv_buffer[1]).any()
 
     # sglang-jax's own split of the latent: c_kv and k_pe views of the two segments.
     c_view, pe_view = pool.get_kv_buffer(0)
     for t, s in enumerate(slots):
-        np.testing.assert_array_equal(sp.bits(c_view)[sp.token_index(cfg, s)], sp.bits(kv_c[t]))
-        np.testing.assert_array_equal(sp.bits(pe_view)[sp.token_index(cfg, s)], sp.bits(k_pe[t]))
+        np.testing.assert_array_equal(
+            testing.raw_bits(c_view)[sp.token_index(cfg, s)], testing.raw_bits(kv_c[t])
+        )
+        np.testing.assert_array_equal(
+            testing.raw_bits(pe_view)[sp.token_index(cfg, s)], testing.raw_bits(k_pe[t])
+        )
     # Token rows: the first three axes flattened, page_rows rows a page.
     rows = got.reshape(-1, got.shape[-1])
     assert rows.shape[0] == sp.pages(cfg) * sp.page_rows(cfg)
@@ -175,8 +183,8 @@ def test_indexer_keys_land_where_the_layout_says(cfg, rng):
     page_ids, n = _mla_pages(cfg)
     keys = sp.random_values(rng, (n, cfg.indexer_key_dim), cfg.jnp_dtype)
     slots = sp.write_indexer(pool, 0, page_ids, keys)
-    want = np.zeros(sp.indexer_shape(cfg), sp.bits(keys).dtype)
+    want = np.zeros(sp.indexer_shape(cfg), testing.raw_bits(keys).dtype)
     for t, s in enumerate(slots):
-        want[sp.token_index(cfg, s)][: cfg.indexer_key_dim] = sp.bits(keys[t])
-    np.testing.assert_array_equal(sp.bits(pool.get_indexer_key_buffer(0)), want)
-    assert not any(sp.bits(b).any() for b in pool.kv_buffer)  # the latent untouched
+        want[sp.token_index(cfg, s)][: cfg.indexer_key_dim] = testing.raw_bits(keys[t])
+    np.testing.assert_array_equal(testing.raw_bits(pool.get_indexer_key_buffer(0)), want)
+    assert not any(testing.raw_bits(b).any() for b in pool.kv_buffer)  # the latent untouched

@@ -24,7 +24,7 @@ from helpers import (
     HOSTILE_ARG,
     INDEX_ATTR,
     INDEX_HEAD_DIM,
-    assert_raw_equal,
+    bits_by_attr,
     buffer_attrs,
     connector_pool,
     fill_random_bits,
@@ -32,7 +32,6 @@ from helpers import (
     names_an_argument,
     nsa_kv_row,
     random_mha_pool,
-    raw_bits,
     raw_rows,
     record_path,
     roundtrip,
@@ -154,15 +153,19 @@ def test_roundtrip_between_contiguous_and_scattered_slots(kind, page_size, block
         scattered = np.concatenate([p * 4 + np.arange(4) for p in range(16, 8, -1)])
     assert conn.store(src, tokens, runs) == 32 // block_size
     for dst_slots in (scattered, runs):
-        before, src_raw = raw_bits(dst), raw_bits(src)
+        before, src_raw = bits_by_attr(dst), bits_by_attr(src)
         dst, n = conn.load(dst, tokens, dst_slots)
         assert n == 32
-        assert_raw_equal(raw_bits(dst), model_load(before, src_raw, runs, dst_slots, page_size))
+        testing.assert_bits_equal(
+            bits_by_attr(dst), model_load(before, src_raw, runs, dst_slots, page_size)
+        )
     conn2 = KVConnector(src, HostStore(1 << 20), block_size=block_size)
     assert conn2.store(src, tokens, scattered) == 32 // block_size
-    before = raw_bits(dst)
+    before = bits_by_attr(dst)
     dst, n = conn2.load(dst, tokens, runs)
-    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, scattered, runs, page_size))
+    testing.assert_bits_equal(
+        bits_by_attr(dst), model_load(before, src_raw, scattered, runs, page_size)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -186,7 +189,7 @@ def test_roundtrip_sglang_shaped_objects(kind, dtype, backend):
     page_size = 4
 
     def make():
-        return raw_bits(
+        return bits_by_attr(
             fill_random_bits(connector_pool(kind, size=64, page_size=page_size, dtype=dtype), rng)
         )
 
@@ -208,7 +211,7 @@ def test_roundtrip_sglang_shaped_token_pool_defaults_to_16(kind):
     src, dst = (
         _foreign(
             kind,
-            raw_bits(fill_random_bits(connector_pool(kind, size=64, page_size=1), rng)),
+            bits_by_attr(fill_random_bits(connector_pool(kind, size=64, page_size=1), rng)),
             jnp.bfloat16,
             1,
             "numpy",
@@ -233,10 +236,12 @@ def test_jaxkv_and_disk_roundtrip_nsa_index_bytes_with_scales(tmp_path):
     tokens = rng.integers(0, 1000, 32)
     src_slots, dst_slots = np.arange(16, 48), np.arange(48, 80)
     assert conn.store(src, tokens, src_slots) == 2
-    before, src_raw = raw_bits(dst), raw_bits(src)
+    before, src_raw = bits_by_attr(dst), bits_by_attr(src)
     dst, n = conn.load(dst, tokens, dst_slots)
     assert n == 32
-    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots, dst_slots, 16))
+    testing.assert_bits_equal(
+        bits_by_attr(dst), model_load(before, src_raw, src_slots, dst_slots, 16)
+    )
     # The dequantised keys read back through the pool API agree as well.
     for layer in range(2):
         np.testing.assert_array_equal(
@@ -255,13 +260,13 @@ def test_k_only_pools_export_and_reload(backend):
     slots = np.arange(1, 17)
     exported = conn.export_blocks(pool, slots)
     assert set(exported) == {"k"}
-    obj = _foreign("k_only", raw_bits(pool), jnp.bfloat16, 1, backend)
+    obj = _foreign("k_only", bits_by_attr(pool), jnp.bfloat16, 1, backend)
     obj_conn = KVConnector(obj, HostStore(1 << 20))
     np.testing.assert_array_equal(obj_conn.export_blocks(obj, slots)["k"], exported["k"])
     tokens = np.arange(16)
     assert obj_conn.store(obj, tokens, slots) == 1
     fresh = connector_pool("k_only", size=32, page_size=1)
-    fresh_obj = _foreign("k_only", raw_bits(fresh), jnp.bfloat16, 1, backend)
+    fresh_obj = _foreign("k_only", bits_by_attr(fresh), jnp.bfloat16, 1, backend)
     fresh_obj, n = obj_conn.load(fresh_obj, tokens, slots[::-1])
     assert n == 16
     np.testing.assert_array_equal(
@@ -337,7 +342,7 @@ def test_export_blocks_shapes_dtypes_and_values(kind, dtype):
     row_shapes = dict(_ROW_SHAPES[kind])
     if kind == "nsa":
         row_shapes["kv"] = nsa_kv_row(dtype)  # packed fp8 rows for fp8 pools
-    raw = raw_bits(pool)
+    raw = bits_by_attr(pool)
     for key, arr in exported.items():
         assert isinstance(arr, np.ndarray)
         want_dtype = np.uint8 if key == "index_k" else pool.store_dtype
@@ -472,10 +477,11 @@ def test_a_live_export_of_the_buffer_itself_makes_the_update_copy():
     slots = np.arange(1, 17)
     ones = jnp.ones((16, 2, 4), jnp.bfloat16)
     live = np.from_dlpack(pool.k_buffer[0])
-    ptr = pool.k_buffer[0].unsafe_buffer_pointer()
+    pointers = testing.buffer_pointers(pool.k_buffer[0])
     with pytest.warns(jaxkv.CopyWarning, match="copied them whole"):  # reported, not silent
         pool = pool.set_kv(0, slots, 3 * ones, jnp.full((16, 2, 3), 3, jnp.bfloat16))
-    assert pool.k_buffer[0].unsafe_buffer_pointer() != ptr
+    with pytest.raises(AssertionError, match="moved"):
+        testing.assert_updated_in_place(pointers, pool.k_buffer[0])
     del live
 
 
@@ -523,23 +529,25 @@ def test_lookup_stops_at_the_first_gap(tmp_path):
     os.unlink(record_path(tmp_path, conn.block_hashes(tokens)[1]))
     assert conn.lookup(tokens) == 16
     dst = connector_pool("mha", size=64, page_size=1)
-    before = raw_bits(dst)
+    before = bits_by_attr(dst)
     dst, n = conn.load(dst, tokens, slots)
     assert n == 16
-    assert_raw_equal(raw_bits(dst), model_load(before, raw_bits(pool), slots[:16], slots[:16], 1))
+    testing.assert_bits_equal(
+        bits_by_attr(dst), model_load(before, bits_by_attr(pool), slots[:16], slots[:16], 1)
+    )
 
 
 def test_lookup_changes_no_data(mha):
     pool, store, conn, tokens, slots = mha
     conn.store(pool, tokens, slots)
     held = {k: v for k, v in store.stats().items() if k in ("blocks", "bytes", "blocks_stored")}
-    raw = raw_bits(pool)
+    raw = testing.buffer_bits(pool)
     for _ in range(3):
         assert conn.lookup(tokens) == 64
         assert conn.lookup(tokens[::-1]) == 0
     after = store.stats()
     assert {k: after[k] for k in held} == held
-    assert_raw_equal(raw_bits(pool), raw)
+    testing.assert_unchanged(raw, pool)
 
 
 def test_store_returns_newly_written_blocks_and_skips_present_ones(mha):
@@ -575,30 +583,30 @@ def test_load_returns_the_longest_prefix_and_leaves_other_rows(mha):
     rng = np.random.default_rng(9)
     dst = fill_random_bits(connector_pool("mha", size=128, page_size=1), rng)
     dst_slots = rng.permutation(np.arange(1, 129))[:64]
-    before = raw_bits(dst)
+    before = bits_by_attr(dst)
     dst, n = conn.load(dst, tokens, dst_slots)
     assert n == 32
-    assert_raw_equal(
-        raw_bits(dst), model_load(before, raw_bits(pool), slots[:32], dst_slots[:32], 1)
+    testing.assert_bits_equal(
+        bits_by_attr(dst), model_load(before, bits_by_attr(pool), slots[:32], dst_slots[:32], 1)
     )
     # Diverging after the first block: only that block is a hit.
     other = tokens.copy()
     other[16:] = rng.integers(30_000, 40_000, 48)
-    before = raw_bits(dst)
+    before = bits_by_attr(dst)
     dst, n = conn.load(dst, other, dst_slots)
     assert n == 16
-    assert_raw_equal(
-        raw_bits(dst), model_load(before, raw_bits(pool), slots[:16], dst_slots[:16], 1)
+    testing.assert_bits_equal(
+        bits_by_attr(dst), model_load(before, bits_by_attr(pool), slots[:16], dst_slots[:16], 1)
     )
 
 
 def test_load_with_nothing_stored_is_a_no_op(mha):
     pool, store, conn, tokens, slots = mha
     dst = fill_random_bits(connector_pool("mha", size=128, page_size=1), np.random.default_rng(10))
-    before = raw_bits(dst)
+    before = testing.buffer_bits(dst)
     dst, n = conn.load(dst, tokens, slots)
     assert n == 0
-    assert_raw_equal(raw_bits(dst), before)
+    testing.assert_unchanged(before, dst)
 
 
 @pytest.mark.parametrize("method", ("store", "load"))
@@ -658,10 +666,10 @@ def test_load_rejects_records_of_other_blocks():
     store.put(dataclasses.replace(record, key=key_b0))
     assert conn.lookup(b) == 16  # present by key...
     dst = connector_pool("mha", size=64, page_size=1)
-    before = raw_bits(dst)
+    before = testing.buffer_bits(dst)
     dst, n = conn.load(dst, b, np.arange(1, 33))
     assert n == 0  # ...but never loaded
-    assert_raw_equal(raw_bits(dst), before)
+    testing.assert_unchanged(before, dst)
     assert conn.stats()["verification_failures"] == 1
 
 
@@ -804,10 +812,12 @@ def test_pinned_store_keeps_the_transfer_output_and_load_sends_it_back(
             assert part.ctypes.data == segment.host[name][j].ctypes.data
             assert not part.flags.writeable
     assert store.memory_bytes == segment.nbytes  # kept whole, no arena, no copy
-    before, src_raw = raw_bits(dst), raw_bits(src)
+    before, src_raw = bits_by_attr(dst), bits_by_attr(src)
     dst, n = conn.load(dst, tokens, dst_slots)
     assert n == 32 and len(pinned) == 1  # one segment, sent back whole
-    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots, dst_slots, page_size))
+    testing.assert_bits_equal(
+        bits_by_attr(dst), model_load(before, src_raw, src_slots, dst_slots, page_size)
+    )
 
 
 def test_pinned_load_of_a_few_blocks_stages_them_in_pinned_memory(pinned):
@@ -818,17 +828,21 @@ def test_pinned_load_of_a_few_blocks_stages_them_in_pinned_memory(pinned):
     tokens = rng.integers(0, 50_000, 256)
     src_slots, dst_slots = np.arange(1, 257), rng.permutation(np.arange(1, 257))
     assert conn.store(src, tokens, src_slots) == 16  # one segment of 16 blocks
-    src_raw = raw_bits(src)
-    before = raw_bits(dst)
+    src_raw = bits_by_attr(src)
+    before = bits_by_attr(dst)
     dst, n = conn.load(dst, tokens[:16], dst_slots[:16])  # 1 block of 16: below the 1/8 share
     assert n == 16 and pinned == []
     assert "pinned" in conn.transfer_path.staging.idle_kinds(), "went through pinned staging"
-    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots[:16], dst_slots[:16], 1))
-    before = raw_bits(dst)
+    testing.assert_bits_equal(
+        bits_by_attr(dst), model_load(before, src_raw, src_slots[:16], dst_slots[:16], 1)
+    )
+    before = bits_by_attr(dst)
     dst, n = conn.load(dst, tokens[:64], dst_slots[:64])  # 4 of 16 blocks: the segment, whole
     assert n == 64 and len(pinned) == 1
     np.testing.assert_array_equal(pinned[0], np.arange(4))
-    assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots[:64], dst_slots[:64], 1))
+    testing.assert_bits_equal(
+        bits_by_attr(dst), model_load(before, src_raw, src_slots[:64], dst_slots[:64], 1)
+    )
 
 
 def test_pinned_load_waits_for_the_device_only_when_host_staging_is_reused(pinned, monkeypatch):
@@ -844,14 +858,14 @@ def test_pinned_load_waits_for_the_device_only_when_host_staging_is_reused(pinne
     tokens = rng.integers(0, 50_000, 256)
     slots = np.arange(1, 257)
     assert conn.store(src, tokens, slots) == 16
-    src_raw = raw_bits(src)
+    src_raw = bits_by_attr(src)
     for n_tokens, segments, waited in ((256, 1, False), (16, 1, True)):
         dst = fill_random_bits(connector_pool("mha", size=256, page_size=1), rng)
-        before, waits[:] = raw_bits(dst), []
+        before, waits[:] = bits_by_attr(dst), []
         dst, n = conn.load(dst, tokens[:n_tokens], slots[:n_tokens])
         assert n == n_tokens and len(pinned) == segments and bool(waits) == waited
         want = model_load(before, src_raw, slots[:n_tokens], slots[:n_tokens], 1)
-        assert_raw_equal(raw_bits(dst), want)
+        testing.assert_bits_equal(bits_by_attr(dst), want)
 
 
 def test_pinned_load_spanning_segments_and_disk_records(pinned, tmp_path):
@@ -868,11 +882,13 @@ def test_pinned_load_spanning_segments_and_disk_records(pinned, tmp_path):
         assert conn.store(src, tokens, src_slots) == 2  # blocks 2 and 3: a second segment
         calls = len(pinned)
         dst_slots = np.concatenate([p * 16 + np.arange(16) for p in (7, 2, 5, 1)])
-        before, src_raw = raw_bits(dst), raw_bits(src)
+        before, src_raw = bits_by_attr(dst), bits_by_attr(src)
         dst, n = conn.load(dst, tokens, dst_slots)
         assert n == 64
         assert len(pinned) - calls == (2 if isinstance(store, HostStore) else 0)
-        assert_raw_equal(raw_bits(dst), model_load(before, src_raw, src_slots, dst_slots, 16))
+        testing.assert_bits_equal(
+            bits_by_attr(dst), model_load(before, src_raw, src_slots, dst_slots, 16)
+        )
 
 
 def test_a_pinned_load_of_segments_and_other_records_is_one_write(pinned, monkeypatch):
@@ -890,7 +906,7 @@ def test_a_pinned_load_of_segments_and_other_records_is_one_write(pinned, monkey
     plain = KVConnector(src, store, block_size=16, transfer="gather")  # a copied record
     assert plain.store(src, tokens, np.arange(1, 49)) == 1
     dst = fill_random_bits(connector_pool("mha", size=128, page_size=1), rng)
-    before = raw_bits(dst)
+    before, kept = bits_by_attr(dst), testing.buffer_bits(dst)
     real = _transfers.as_one_array
 
     def failing(arrays):
@@ -900,14 +916,14 @@ def test_a_pinned_load_of_segments_and_other_records_is_one_write(pinned, monkey
     with pytest.raises(MemoryError):
         conn.load(dst, tokens, np.arange(60, 108))
     assert not dst.consumed  # the segments were staged, but nothing was written
-    assert_raw_equal(raw_bits(dst), before)
+    testing.assert_unchanged(kept, dst)
     del pinned[:]
     monkeypatch.setattr(_transfers, "as_one_array", real)
-    src_raw = raw_bits(src)
+    src_raw = bits_by_attr(src)
     dst, n = conn.load(dst, tokens, np.arange(60, 108))
     assert n == 48 and len(pinned) == 2
     want = model_load(before, src_raw, np.arange(1, 49), np.arange(60, 108), 1)
-    assert_raw_equal(raw_bits(dst), want)
+    testing.assert_bits_equal(bits_by_attr(dst), want)
 
 
 @pytest.mark.parametrize("kind", ("mha", "nsa"))
@@ -915,7 +931,7 @@ def test_pinned_roundtrip_sglang_shaped_jax_buffers(pinned, kind):
     rng = np.random.default_rng(23)
 
     def make():
-        return raw_bits(
+        return bits_by_attr(
             fill_random_bits(connector_pool(kind, size=64, page_size=4, dtype=jnp.bfloat16), rng)
         )
 
@@ -1053,7 +1069,7 @@ def test_fuzz_connector(fuzz_conn, method, tokens, slots, salt):
     store = conn.backend
     kept = dict(store.stats())
     src = _fuzz_pool()
-    before = np.array(src.k_buffer[0])
+    before = testing.buffer_bits(src)
     args = {"block_hashes": (tokens,), "lookup": (tokens,)}.get(method, (src, tokens, slots))
     try:
         out = getattr(conn, method)(*args, salt=salt)
@@ -1061,7 +1077,7 @@ def test_fuzz_connector(fuzz_conn, method, tokens, slots, salt):
         assert names_an_argument(err, ("token_ids", "slots", "salt")), f"{err!r}"
         after = store.stats()
         assert (after["blocks"], after["blocks_stored"]) == (kept["blocks"], kept["blocks_stored"])
-        np.testing.assert_array_equal(np.array(src.k_buffer[0]), before)
+        testing.assert_unchanged(before, src)
         return
     assert salt is None or isinstance(salt, (str, bytes)), f"salt {salt!r} was taken"
     n_blocks = len(np.asarray(tokens)) // FUZZ_BLOCK

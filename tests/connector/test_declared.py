@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import MHAPool, UnsupportedKVCacheError
+from jaxkv import MHAPool, UnsupportedKVCacheError, testing
 from jaxkv.connector import BufferLayout, HostStore, KVConnector, PoolLayout
 
 PAGE = 4
@@ -30,11 +30,6 @@ def _index(shape_lead: tuple[int, ...], page: int, slot: int) -> tuple[int, ...]
     """The leading indices of `slot` in a buffer whose pages have lead axes `shape_lead`."""
     p, offset = divmod(slot, page)
     return (p, *np.unravel_index(offset, shape_lead))
-
-
-def _bits(x) -> np.ndarray:
-    a = np.array(x)
-    return a.view(f"u{a.dtype.itemsize}")
 
 
 def _fused(rng, pages=6, heads=2, packing=2, head_dim=8, layers=2, dtype=jnp.bfloat16):
@@ -63,17 +58,17 @@ def _check_moved(before, after, lead, src, dst):
 
 def test_a_plain_list_of_fused_arrays_round_trips_in_place(rng):
     caches = _fused(rng)
-    before = [_bits(b) for b in caches]
+    before = testing.buffer_bits(caches)
     src, dst = list(range(4, 12)), list(range(16, 24))  # pages 1-2 into pages 4-5
     tokens = rng.integers(0, 1000, len(src))
     conn = KVConnector(caches, HostStore(1 << 24), layout=FUSED)
     assert conn.block_size == PAGE
     assert conn.store(caches, tokens, src) == 2
-    pointers = [b.unsafe_buffer_pointer() for b in caches]
+    pointers = testing.buffer_pointers(caches)
     new, loaded = conn.load(caches, tokens, dst)
     assert new is caches and loaded == 8
-    assert [b.unsafe_buffer_pointer() for b in caches] == pointers
-    _check_moved(before, [_bits(b) for b in caches], (PAGE,), src, dst)
+    testing.assert_updated_in_place(pointers, caches)
+    _check_moved(before, testing.buffer_bits(caches), (PAGE,), src, dst)
 
 
 def test_padded_pages_of_host_buffers_round_trip(rng):
@@ -121,7 +116,7 @@ def test_a_family_with_its_own_layer_count_travels_with_the_blocks(rng):
         ),
     )
     pool = Pool()
-    extra_before = _bits(pool.extra[0])
+    extra_before = testing.raw_bits(pool.extra[0])
     conn = KVConnector(pool, HostStore(1 << 24), layout=layout)
     blocks = conn.export_blocks(pool, range(4, 8))
     assert blocks["kv"].shape[:3] == (1, 3, PAGE) and blocks["extra"].shape == (1, 1, PAGE, 16)
@@ -130,7 +125,7 @@ def test_a_family_with_its_own_layer_count_travels_with_the_blocks(rng):
     assert conn.load(pool, tokens, range(20, 24))[1] == 4
     want = extra_before.copy()
     want[5] = extra_before[1]
-    np.testing.assert_array_equal(_bits(pool.extra[0]), want)
+    np.testing.assert_array_equal(testing.raw_bits(pool.extra[0]), want)
 
 
 def test_declared_blocks_are_never_another_layouts(rng):
@@ -146,14 +141,13 @@ def test_declared_blocks_are_never_another_layouts(rng):
 
 def test_slots_past_the_pages_are_refused_before_any_write(rng):
     caches = _fused(rng)
-    before = [_bits(b) for b in caches]
+    before = testing.buffer_bits(caches)
     conn = KVConnector(caches, HostStore(1 << 24), layout=FUSED)
     tokens = rng.integers(0, 1000, 4)
     conn.store(caches, tokens, range(4, 8))
     with pytest.raises(ValueError, match=r"slots\[3\] = 24 is outside the pool's rows \[0, 24\)"):
         conn.load(caches, tokens, [20, 21, 22, 24])
-    for old, b in zip(before, caches):
-        np.testing.assert_array_equal(_bits(b), old)
+    testing.assert_unchanged(before, caches)
 
 
 def test_a_tuple_of_jax_buffers_cannot_be_loaded_into(rng):
@@ -161,9 +155,10 @@ def test_a_tuple_of_jax_buffers_cannot_be_loaded_into(rng):
     conn = KVConnector(caches, HostStore(1 << 24), layout=FUSED)
     tokens = rng.integers(0, 1000, 4)
     conn.store(caches, tokens, range(4, 8))
+    before = testing.buffer_bits(caches)
     with pytest.raises(TypeError, match="expected a list of jax buffers"):
         conn.load(caches, tokens, range(8, 12))
-    assert all(not b.is_deleted() for b in caches)
+    testing.assert_unchanged(before, caches)  # none donated
 
 
 @pytest.mark.parametrize(
@@ -217,15 +212,13 @@ def test_a_refused_load_on_an_explicit_mesh_donates_nothing(rng):
     mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     caches = tuple(jax.device_put(b, placed) for b in _fused(rng))
-    before = [_bits(b) for b in caches]
+    before = testing.buffer_bits(caches)
     conn = KVConnector(caches, HostStore(1 << 24), layout=FUSED)
     tokens = rng.integers(0, 1000, 4)
     assert conn.store(caches, tokens, range(4, 8)) == 1
     with pytest.raises(TypeError, match="expected a list of jax buffers"):
         conn.load(caches, tokens, range(8, 12))
-    assert all(not b.is_deleted() for b in caches)
-    for old, b in zip(before, caches):
-        np.testing.assert_array_equal(_bits(b), old)
+    testing.assert_unchanged(before, caches)  # none deleted (donated), none changed
 
 
 class _FusedCaches:
@@ -266,9 +259,9 @@ def test_a_declared_class_is_described_by_its_declaration_and_its_subclasses_too
     conn = KVConnector(pool, HostStore(1 << 24))
     assert conn.layout.kind == "fused-caches" and conn.block_size == PAGE
     assert conn.store(pool, tokens, src) == 2
-    before = [_bits(b) for b in pool.caches]
+    before = testing.buffer_bits(pool.caches)
     assert conn.load(pool, tokens, dst)[1] == 8
-    _check_moved(before, [_bits(b) for b in pool.caches], (PAGE,), src, dst)
+    _check_moved(before, testing.buffer_bits(pool.caches), (PAGE,), src, dst)
     pool.refuse = True
     with pytest.raises(UnsupportedKVCacheError, match="refused"):
         KVConnector(pool, HostStore(1 << 20))

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import random_bits
 
 import jaxkv
-from jaxkv import UnsupportedKVCacheError
+from jaxkv import UnsupportedKVCacheError, testing
 from jaxkv.connector import HostStore, KVConnector
 
 SIZE, PAGE = 32, 4
@@ -27,14 +28,8 @@ class Pool:
         self.__dict__.update(attrs)
 
 
-def _random_bits(rng, shape, dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    raw = rng.integers(0, 256, int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
-    return raw.view(dtype).reshape(shape)
-
-
 def _mha_layers(rng, dtype, layers=2, rows=SIZE + PAGE):
-    return [_random_bits(rng, (rows, 2, 8), dtype) for _ in range(layers)]
+    return [random_bits(rng, (rows, 2, 8), dtype) for _ in range(layers)]
 
 
 def _fp8_pool() -> jaxkv.MHAPool:
@@ -112,12 +107,10 @@ def test_a_read_only_layer_fails_the_load_before_anything_is_written(readonly):
     )
     attr, li = readonly
     getattr(dst, attr)[li].flags.writeable = False
-    before = {a: [b.copy() for b in getattr(dst, a)] for a in ("k_buffer", "v_buffer")}
+    before = testing.buffer_bits([dst.k_buffer, dst.v_buffer])
     with pytest.raises(TypeError, match=rf"{attr}\[{li}\]: cannot write into a read-only"):
         conn.load(dst, TOKENS, SLOTS)
-    for a in ("k_buffer", "v_buffer"):
-        for got, want in zip(getattr(dst, a), before[a]):
-            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    testing.assert_unchanged(before, [dst.k_buffer, dst.v_buffer])
 
 
 def test_jax_buffers_behind_a_read_only_attribute_fail_before_host_parts_are_written():
@@ -136,11 +129,10 @@ def test_jax_buffers_behind_a_read_only_attribute_fail_before_host_parts_are_wri
             return self._v
 
     dst = Frozen()
-    before = [b.copy() for b in dst.k_buffer]
+    before = testing.buffer_bits(dst.k_buffer)
     with pytest.raises(TypeError, match="v_buffer: Frozen does not let its jax buffers"):
         conn.load(dst, TOKENS, SLOTS)
-    for got, want in zip(dst.k_buffer, before):
-        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    testing.assert_unchanged(before, dst.k_buffer)
 
 
 def test_host_and_jax_parts_of_one_object_both_load():
@@ -152,10 +144,10 @@ def test_host_and_jax_parts_of_one_object_both_load():
         v_buffer=[jnp.asarray(b) for b in _mha_layers(rng, ml_dtypes.bfloat16)],
         page_size=PAGE,
     )
-    k_ids = [id(b) for b in dst.k_buffer]
+    k_pointers = testing.buffer_pointers(dst.k_buffer)
     out, n = conn.load(dst, TOKENS, SLOTS)
     assert out is dst and n == 16
-    assert [id(b) for b in dst.k_buffer] == k_ids  # host buffers written in place
+    testing.assert_updated_in_place(k_pointers, dst.k_buffer)  # host buffers written in place
     for li in range(2):
         np.testing.assert_array_equal(dst.k_buffer[li][SLOTS[:PAGE]].view(np.uint16), src_k[li])
     assert all(isinstance(b, jnp.ndarray) for b in dst.v_buffer)
@@ -190,14 +182,14 @@ def test_pools_with_scale_side_buffers_are_refused():
 
 
 def _nsa_object(rng, index):
-    kv = [_random_bits(rng, (SIZE + PAGE, 1, 8), ml_dtypes.bfloat16) for _ in range(2)]
+    kv = [random_bits(rng, (SIZE + PAGE, 1, 8), ml_dtypes.bfloat16) for _ in range(2)]
     return Pool(kv_buffer=kv, index_k_with_scale_buffer=index, page_size=PAGE)
 
 
 def test_index_buffers_must_be_whole_pages():
     rng = np.random.default_rng(8)
     pages = (SIZE + PAGE) // PAGE
-    good = [_random_bits(rng, (pages, PAGE * (16 + 4)), np.uint8) for _ in range(2)]
+    good = [random_bits(rng, (pages, PAGE * (16 + 4)), np.uint8) for _ in range(2)]
     conn = KVConnector(_nsa_object(rng, good), HostStore(1 << 20))
     assert conn.layout.parts[1].row_shape == (20,)
     bad_width = [b[:, :-1] for b in good]
@@ -213,19 +205,18 @@ def test_a_strided_index_buffer_is_read_but_not_written():
     writes (numpy would write into a copy), before any part is written."""
     rng = np.random.default_rng(9)
     pages = (SIZE + PAGE) // PAGE
-    index = [_random_bits(rng, (pages, PAGE * 20), np.uint8) for _ in range(2)]
+    index = [random_bits(rng, (pages, PAGE * 20), np.uint8) for _ in range(2)]
     src = _nsa_object(rng, index)
     conn = KVConnector(src, HostStore(1 << 20))
     assert conn.store(src, TOKENS, SLOTS) == 4
-    wide = [_random_bits(rng, (pages, 2 * PAGE * 20), np.uint8) for _ in range(2)]
+    wide = [random_bits(rng, (pages, 2 * PAGE * 20), np.uint8) for _ in range(2)]
     dst = _nsa_object(rng, [w[:, ::2] for w in wide])
     exported = conn.export_blocks(dst, SLOTS)  # reads follow the strides
     assert exported["index_k"].shape == (4, 2, PAGE, 20)
-    before = [b.copy() for b in dst.kv_buffer]
+    before = testing.buffer_bits(dst.kv_buffer)
     with pytest.raises(TypeError, match="non-contiguous index buffer"):
         conn.load(dst, TOKENS, SLOTS)
-    for got, want in zip(dst.kv_buffer, before):
-        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    testing.assert_unchanged(before, dst.kv_buffer)
 
 
 @pytest.mark.parametrize(

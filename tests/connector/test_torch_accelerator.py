@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import jax.numpy as jnp  # noqa: E402
 
-from jaxkv import MHAPool  # noqa: E402
+from jaxkv import MHAPool, testing  # noqa: E402
 from jaxkv.connector import HostStore, KVConnector  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -64,8 +64,8 @@ def _attrs(pool) -> list[str]:
     return [a for a in names if hasattr(pool, a)]
 
 
-def _bytes(t) -> np.ndarray:
-    return t.contiguous().view(torch.uint8).cpu().numpy().copy()
+def _layers(pool) -> dict[str, list]:
+    return {a: getattr(pool, a) for a in _attrs(pool)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -77,14 +77,14 @@ def test_torch_cuda_pools_round_trip_in_place(kind, dtype):
     tokens = np.arange(len(slots))
     conn = KVConnector(src, HostStore(1 << 24), block_size=PAGE)
     assert conn.store(src, tokens, slots) == len(slots) // PAGE
-    ptrs = {a: [t.data_ptr() for t in getattr(dst, a)] for a in _attrs(dst)}
-    before = {a: [_bytes(t) for t in getattr(dst, a)] for a in _attrs(dst)}
+    pointers = testing.buffer_pointers(_layers(dst))
+    before = {a: testing.buffer_bits(layers) for a, layers in _layers(dst).items()}
     out, n = conn.load(dst, tokens, dst_slots)
     assert n == len(slots) and out is dst
+    testing.assert_updated_in_place(pointers, _layers(dst))
     for attr in _attrs(dst):
-        assert [t.data_ptr() for t in getattr(dst, attr)] == ptrs[attr]  # in place
         for li, (s, d) in enumerate(zip(getattr(src, attr), getattr(dst, attr))):
-            got, want, old = _bytes(d), _bytes(s), before[attr][li]
+            got, want, old = testing.raw_bits(d), testing.raw_bits(s), before[attr][li]
             if attr == "index_k_with_scale_buffer":
                 width = 16
                 for a, b in zip(slots, dst_slots):
@@ -119,4 +119,4 @@ def test_torch_cuda_fp8_store_buffers_share_blocks_with_a_jaxkv_pool(dtype):
     assert n == 16
     for attr in ("k_buffer", "v_buffer"):
         for t, j in zip(getattr(sgl, attr), getattr(pool, attr)):
-            np.testing.assert_array_equal(np.asarray(j)[slots], _bytes(t)[slots])
+            np.testing.assert_array_equal(np.asarray(j)[slots], testing.raw_bits(t)[slots])

@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import flush_subnormals, same_bits
+from helpers import flush_subnormals
 
-from jaxkv import _dtypes
+from jaxkv import _dtypes, testing
 
 TINY = np.finfo(np.float32).tiny
 
@@ -36,7 +36,7 @@ def test_correction_turns_perturbed_estimates_into_the_ieee_quotient(ulps):
     estimate = (want.view(np.int32) + step).view(np.float32)
     assert np.mean(estimate != want) > 0.5  # the input really is wrong
     got = jax.jit(_dtypes.correct_quotient)(estimate, a, b)
-    assert same_bits(got, want)
+    testing.assert_bits_equal(got, want)
 
 
 @pytest.mark.parametrize("spread", [3, 40, 90], ids=["narrow", "wide", "overflowing"])
@@ -46,15 +46,15 @@ def test_divide_is_the_ieee_quotient_over_the_whole_range(spread):
     with np.errstate(over="ignore"):  # beyond float32's range: inf, also a case to divide
         x = (rng.standard_normal(n) * np.exp(rng.uniform(-spread, spread, n))).astype(np.float32)
         y = (rng.standard_normal(n) * np.exp(rng.uniform(-spread, spread, n))).astype(np.float32)
-    assert same_bits(jax.jit(_dtypes.divide)(x, y), _ieee(x, y))
+    testing.assert_bits_equal(jax.jit(_dtypes.divide)(x, y), _ieee(x, y))
 
 
 def test_divide_by_a_broadcast_scalar_is_not_a_reciprocal_multiply():
     x = np.random.default_rng(3).standard_normal(1 << 14).astype(np.float32)
     for scale in (0.37, 3.0, 448.0, 1e-3):
         want = _ieee(x, np.float32(scale))
-        assert same_bits(jax.jit(_dtypes.divide)(x, np.float32(scale)), want)
-        assert same_bits(_dtypes.divide(x, scale), want)  # eager too
+        testing.assert_bits_equal(jax.jit(_dtypes.divide)(x, np.float32(scale)), want)
+        testing.assert_bits_equal(_dtypes.divide(x, scale), want)  # eager too
 
 
 def test_divide_special_values_follow_ieee_with_subnormals_as_zero():
@@ -65,7 +65,8 @@ def test_divide_special_values_follow_ieee_with_subnormals_as_zero():
     for y in (0.37, 0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, 1e-30, 3e38, -2.0):
         got = np.asarray(jax.jit(_dtypes.divide)(x, np.float32(y)))
         want = _ieee(x, np.full_like(x, y))
-        assert same_bits(got, want), (y, got, want)  # one NaN, whatever the inputs' NaNs
+        # One NaN, whatever the inputs' NaNs.
+        testing.assert_bits_equal({f"x / {y}": got}, {f"x / {y}": want})
 
 
 def _with_bits(*words) -> np.ndarray:
@@ -94,4 +95,4 @@ def test_products_treat_subnormal_inputs_and_results_as_zero():
     got = np.asarray(jax.jit(_dtypes.multiply)(np.array([tiny, -tiny]), np.float32(0.25)))
     np.testing.assert_array_equal(got.view(np.uint32), [0, 0x80000000])  # subnormal results
     x = np.random.default_rng(5).standard_normal(4096).astype(np.float32)
-    assert same_bits(jax.jit(_dtypes.multiply)(x, np.float32(0.37)), x * np.float32(0.37))
+    testing.assert_bits_equal(jax.jit(_dtypes.multiply)(x, np.float32(0.37)), x * np.float32(0.37))

@@ -16,12 +16,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import host, pack_latent_ref, packed_width, same_bits, unpack_latent_ref
+from absl.testing import parameterized
+from helpers import host, pack_latent_ref, packed_width, unpack_latent_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import jaxkv
+from jaxkv import testing
 from jaxkv.connector import HostStore, KVConnector
 
 FP8 = [jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)]
@@ -148,7 +150,7 @@ def test_zero_tile_keeps_its_signed_zeros(dtype):
     np.testing.assert_array_equal(row[1:128:2], 0x00)
     assert np.ascontiguousarray(row[256:260]).view("<f4")[0] == 0.0
     read = np.asarray(pool.get_key_buffer(0))[2, 0, :128]
-    assert same_bits(read, x[0, 0, :128])
+    testing.assert_bits_equal(read, x[0, 0, :128])
     np.testing.assert_array_equal(row, pack_latent_ref(x[0, 0, :256], x[0, 0, 256:]))
 
 
@@ -198,23 +200,58 @@ def test_set_mla_kv_and_set_kv_store_the_same_rows(dtype):
     np.testing.assert_array_equal(host(a.kv_buffer[1])[loc], pack_latent_ref(nope, rope))
 
 
-@fp8_dtypes
-@pytest.mark.parametrize("setter", ["set_kv", "set_k"])
-@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_raw_packed_rows_are_stored_as_they_are(dtype, setter, jitted):
-    pool = _pool(dtype)
-    rng = np.random.default_rng(3)
-    raw = rng.integers(0, 256, (4, 1, packed_width(128, 2)), dtype=np.uint8)  # NaNs too
-    loc = np.array([2, 9, 3, 6])
+# ---- writes and reads, eager and jitted ------------------------------------------------------
 
-    def write(pool, loc, raw):
-        args = (raw, None) if setter == "set_kv" else (raw,)
-        return getattr(pool, setter)(1, loc, *args, k_scale=3.0)
 
-    pool = (jax.jit(write, donate_argnums=0) if jitted else write)(pool, loc, raw)
-    np.testing.assert_array_equal(host(pool.kv_buffer[1])[loc], raw)
-    got = host(pool.get_key_buffer(1))[loc]
-    assert same_bits(got, unpack_latent_ref(raw, 128))
+class TestPackedRowsEagerAndJitted(chex.TestCase):
+    """Packed rows are written and read alike eagerly and under `jax.jit` (`chex.variants` runs
+    each test both ways)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(dtype=FP8, setter=("set_kv", "set_k"))
+    def test_raw_packed_rows_are_stored_as_they_are(self, dtype, setter):
+        pool = _pool(dtype)
+        rng = np.random.default_rng(3)
+        raw = rng.integers(0, 256, (4, 1, packed_width(128, 2)), dtype=np.uint8)  # NaNs too
+        loc = np.array([2, 9, 3, 6])
+
+        def write(pool, loc, raw):
+            args = (raw, None) if setter == "set_kv" else (raw,)
+            return getattr(pool, setter)(1, loc, *args, k_scale=3.0)
+
+        pool = self.variant(write)(pool, loc, raw)
+        np.testing.assert_array_equal(host(pool.kv_buffer[1])[loc], raw)
+        got = host(pool.get_key_buffer(1))[loc]
+        testing.assert_bits_equal(got, unpack_latent_ref(raw, 128))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*((d.name, d) for d in FP8))
+    def test_readers_dequantise_to_float32(self, dtype):
+        pool = _pool(dtype, kv_lora_rank=256, qk_rope_head_dim=4)
+        rng = np.random.default_rng(4)
+        x = _latent(rng, 3, 256, 4)
+        loc = np.array([7, 1, 10])
+        pool = pool.set_kv(1, loc, x, None)
+        want = unpack_latent_ref(host(pool.kv_buffer[1]), 256)
+
+        def reads(pool, loc):
+            return (
+                pool.get_key_buffer(1),
+                pool.get_value_buffer(1),
+                pool.get_kv_buffer(1),
+                pool.get_mla_kv(1, loc),
+            )
+
+        key, value, kv_pair, (nope, rope) = self.variant(reads)(pool, loc)
+        chex.assert_type([key, value, nope, rope], np.float32)
+        chex.assert_shape(key, (12, 1, 260))
+        testing.assert_bits_equal(key, want)
+        testing.assert_bits_equal(value, want[..., :256])
+        chex.assert_trees_all_equal(kv_pair, (key, value))
+        testing.assert_bits_equal(nope, want[loc, :, :256])
+        testing.assert_bits_equal(rope, want[loc, :, 256:])
+        nope, rope = pool.get_mla_kv(1, np.array([-1, 12]))  # out of range: zeros
+        assert not np.any(host(nope)) and not np.any(host(rope))
 
 
 @fp8_dtypes
@@ -239,39 +276,6 @@ def test_set_mla_kv_rejects_raw_parts(dtype, raw_part):
     with pytest.raises(ValueError, match=raw_part):
         pool.set_mla_kv(0, np.array([1, 2]), parts["k_nope"], parts["k_rope"])
     assert not np.any(host(pool.kv_buffer[0]))
-
-
-# ---- reads ------------------------------------------------------------------------------------
-
-
-@fp8_dtypes
-@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_readers_dequantise_to_float32(dtype, jitted):
-    pool = _pool(dtype, kv_lora_rank=256, qk_rope_head_dim=4)
-    rng = np.random.default_rng(4)
-    x = _latent(rng, 3, 256, 4)
-    loc = np.array([7, 1, 10])
-    pool = pool.set_kv(1, loc, x, None)
-    want = unpack_latent_ref(host(pool.kv_buffer[1]), 256)
-
-    def reads(pool, loc):
-        return (
-            pool.get_key_buffer(1),
-            pool.get_value_buffer(1),
-            pool.get_kv_buffer(1),
-            pool.get_mla_kv(1, loc),
-        )
-
-    key, value, kv_pair, (nope, rope) = (jax.jit(reads) if jitted else reads)(pool, loc)
-    chex.assert_type([key, value, nope, rope], np.float32)
-    chex.assert_shape(key, (12, 1, 260))
-    assert same_bits(host(key), want)
-    assert same_bits(host(value), want[..., :256])
-    chex.assert_trees_all_equal(kv_pair, (key, value))
-    assert same_bits(host(nope), want[loc, :, :256])
-    assert same_bits(host(rope), want[loc, :, 256:])
-    nope, rope = pool.get_mla_kv(1, np.array([-1, 12]))  # out of range: zeros
-    assert not np.any(host(nope)) and not np.any(host(rope))
 
 
 # ---- property: round trips through the readers, eager and jitted ------------------------------
@@ -335,10 +339,10 @@ def test_round_trips_through_the_readers_match_the_reference(x, mla, in_dtype, d
     jitted = _jit_write(_pool(dtype, kv_lora_rank=256, layer_num=1), loc, x, mla=mla)
     for pool in (eager, jitted):
         np.testing.assert_array_equal(host(pool.kv_buffer[0])[loc], stored)
-        assert same_bits(host(pool.get_key_buffer(0))[loc], want)
+        testing.assert_bits_equal(host(pool.get_key_buffer(0))[loc], want)
         nope, rope = _jit_get_mla_kv(pool, loc)
-        assert same_bits(host(nope), want[..., :256])
-        assert same_bits(host(rope), want[..., 256:])
+        testing.assert_bits_equal(nope, want[..., :256])
+        testing.assert_bits_equal(rope, want[..., 256:])
         assert np.all(np.isfinite(want)), "finite in, finite out"
 
 

@@ -19,17 +19,17 @@ import numpy as np
 import pytest
 from helpers import (
     encode_ref,
-    host,
     index_pages_ref,
     latent_rows_ref,
     make_pool,
     mla_rows_ref,
     quantize_index_ref,
-    same_bits,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+from jaxkv import testing
 
 T = 4  # tokens per update; fixed so each (update kind, dtype) compiles once
 START_LAYER = 1  # global layer ids 1 and 2
@@ -170,24 +170,12 @@ class PoolModel:
     def check(self, pool, path: str) -> None:
         for name, layers in self.buffers.items():
             for li, expected in enumerate(layers):
-                got = host(getattr(pool, name)[li])
-                assert same_bits(got, expected), _diff(path, name, li, got, expected)
+                where = f"{path} {name}[{li}]"
+                testing.assert_bits_equal({where: getattr(pool, name)[li]}, {where: expected})
         for li, records in enumerate(getattr(self, "index_records", [])):
-            got = host(pool.index_k_with_scale_buffer[li])
-            expected = index_pages_ref(records, self.page_size)
-            assert same_bits(got, expected), _diff(path, "index", li, got, expected)
-
-
-def _diff(path, name, li, got, expected) -> str:
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        return f"{path} {name}[{li}]: {got.dtype}{got.shape} != {expected.dtype}{expected.shape}"
-    bad = np.argwhere(got.reshape(got.shape[0], -1) != expected.reshape(got.shape[0], -1))
-    row, col = bad[0]
-    flat_g, flat_e = got.reshape(got.shape[0], -1), expected.reshape(got.shape[0], -1)
-    return (
-        f"{path} {name}[{li}]: {len(bad)} entries differ, first at row {row} col {col}: "
-        f"got {flat_g[row, col]!r}, expected {flat_e[row, col]!r}"
-    )
+            where, expected = f"{path} index[{li}]", index_pages_ref(records, self.page_size)
+            got = pool.index_k_with_scale_buffer[li]
+            testing.assert_bits_equal({where: got}, {where: expected})
 
 
 @functools.partial(jax.jit, static_argnames=("name", "layer_id"), donate_argnums=0)

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from helpers import (
+    ALL_DTYPES,
     INDEX_AMAX_FLOOR,
     POOL_CLASSES,
     REPO,
@@ -40,14 +42,14 @@ from helpers import (
     random_values,
     row_buffer_names,
     run_python,
-    same_bits,
     setter_args,
     small,
     snapshot,
 )
 
 import jaxkv
-from jaxkv.connector._layout import describe
+from jaxkv import testing
+from jaxkv.connector.layout import describe
 
 FP8 = [jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)]
 LATENT_KINDS = ["mla", "nsa"]
@@ -364,15 +366,13 @@ def test_pytree_rebuilt_pool_flattens_to_its_own_buffers(pool_kind):
     treedef = jax.tree_util.tree_structure(pool)
     for copied in (pickle.loads(pickle.dumps(mapped)), copy.deepcopy(mapped), copy.copy(mapped)):
         assert jax.tree_util.tree_structure(copied) == treedef
-        assert same_bits(host(jax.tree.leaves(copied)[0]), host(leaves[0]))
+        testing.assert_bits_equal(jax.tree.leaves(copied)[0], leaves[0])
     assert f"size={pool.size}" in str(treedef)  # its statics print in messages
 
 
 def test_jit_over_two_equal_pools_traces_once(pool_kind):
-    chex.clear_trace_counter()  # chex counts per source text: every parametrization anew
-
     @jax.jit
-    @chex.assert_max_traces(n=1)
+    @testing.traced_once
     def read_first_rows(pool):
         return pool.get_key_buffer(pool.start_layer)[:2]
 
@@ -380,7 +380,8 @@ def test_jit_over_two_equal_pools_traces_once(pool_kind):
     a = fill_all(make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(0))
     b = fill_all(make_pool(pool_kind), pool_kind, 0, loc, np.random.default_rng(1))
     ra, rb = read_first_rows(a), read_first_rows(b)  # a second trace would raise
-    assert not same_bits(host(ra), host(rb)), "each call read its own pool"
+    with pytest.raises(AssertionError, match="elements differ"):  # each call read its own pool
+        testing.assert_bits_equal(ra, rb)
 
 
 # ---- one declaration per kind ----------------------------------------------------------------
@@ -648,8 +649,8 @@ def test_get_mla_kv_returns_rows_at_loc(kind, pool_dtype):
         k_nope, k_rope = rows[..., : pool.kv_lora_rank], rows[..., pool.kv_lora_rank :]
     chex.assert_type([nope, rope], read_dtype)
     order = [1, 2, 0, 0]
-    assert same_bits(host(nope), k_nope[order])
-    assert same_bits(host(rope), k_rope[order])
+    testing.assert_bits_equal(nope, k_nope[order])
+    testing.assert_bits_equal(rope, k_rope[order])
 
 
 def test_get_index_k_dequantises_and_packs_sglang_layout():
@@ -707,7 +708,7 @@ def test_get_index_k_of_any_record_bytes_reads_the_same_bits_on_every_backend():
     codes = keys.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         want = flush_subnormals(codes * flush_subnormals(scales)[:, None])
-    assert same_bits(got, want)
+    testing.assert_bits_equal(got, want)
 
 
 def test_set_index_k_zero_row_stores_zero_keys_and_the_floor_scale():
@@ -797,18 +798,24 @@ def _encoded(pool, x, scale=None):
     return encode_ref(x, pool.dtype, scale)
 
 
-def test_mha_set_kv_writes_k_and_v_rows_only_at_loc(pool_dtype):
-    pool = make_pool("mha", pool_dtype)
-    rng = np.random.default_rng(3)
-    loc = np.array([6, 1, 13])
-    k = random_values(rng, (3, pool.head_num, pool.head_dim))
-    v = random_values(rng, (3, pool.head_num, pool.v_head_dim))
-    new = pool.set_kv(0, loc, k, v)
-    for name, x in (("k_buffer", k), ("v_buffer", v)):
-        expected = np.zeros(getattr(pool, name)[0].shape, pool.store_dtype)
-        expected[loc] = _encoded(pool, x)
-        assert same_bits(host(getattr(new, name)[0]), expected), name
-        assert not np.any(host(getattr(new, name)[1])), "other layer untouched"
+class TestSetKvEagerAndJitted(chex.TestCase):
+    """An update writes the same bits called eagerly and under `jax.jit` (`chex.variants` runs
+    each test both ways)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(*((d.name, d) for d in ALL_DTYPES))
+    def test_mha_set_kv_writes_k_and_v_rows_only_at_loc(self, pool_dtype):
+        pool = make_pool("mha", pool_dtype)
+        rng = np.random.default_rng(3)
+        loc = np.array([6, 1, 13])
+        k = random_values(rng, (3, pool.head_num, pool.head_dim))
+        v = random_values(rng, (3, pool.head_num, pool.v_head_dim))
+        new = self.variant(lambda p, loc, k, v: p.set_kv(0, loc, k, v))(pool, loc, k, v)
+        for name, x in (("k_buffer", k), ("v_buffer", v)):
+            expected = np.zeros(getattr(pool, name)[0].shape, pool.store_dtype)
+            expected[loc] = _encoded(pool, x)
+            testing.assert_bits_equal({name: getattr(new, name)[0]}, {name: expected})
+            assert not np.any(host(getattr(new, name)[1])), "other layer untouched"
 
 
 def test_set_k_writes_k_only(pool_dtype):
@@ -819,7 +826,7 @@ def test_set_k_writes_k_only(pool_dtype):
     new = pool.set_k(1, loc, k)
     expected = np.zeros(pool.k_buffer[1].shape, pool.store_dtype)
     expected[loc] = _encoded(pool, k)
-    assert same_bits(host(new.k_buffer[1]), expected)
+    testing.assert_bits_equal(new.k_buffer[1], expected)
     assert not np.any(host(new.v_buffer[1])), "V untouched"
 
 
@@ -833,7 +840,7 @@ def test_set_k_writes_the_key_rows(kind, pool_dtype):
     name = row_buffer_names(kind)[0]
     expected = np.zeros(getattr(pool, name)[0].shape, pool.store_dtype)
     expected[loc] = latent_rows_ref(pool, k) if kind in LATENT_KINDS else _encoded(pool, k)
-    assert same_bits(host(getattr(new, name)[0]), expected)
+    testing.assert_bits_equal(getattr(new, name)[0], expected)
 
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
@@ -847,7 +854,7 @@ def test_latent_set_kv_stores_cache_k_and_ignores_cache_v(kind, cache_v, pool_dt
     new = pool.set_kv(0, loc, k, v, v_scale=None if v is None else 3.0)
     expected = np.zeros(pool.kv_buffer[0].shape, pool.store_dtype)
     expected[loc] = latent_rows_ref(pool, k)
-    assert same_bits(host(new.kv_buffer[0]), expected)
+    testing.assert_bits_equal(new.kv_buffer[0], expected)
 
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
@@ -860,7 +867,7 @@ def test_set_mla_kv_writes_the_concatenation(kind, pool_dtype):
     new = pool.set_mla_kv(1, loc, k_nope, k_rope, donate=False)
     expected = np.zeros(pool.kv_buffer[1].shape, pool.store_dtype)
     expected[loc] = mla_rows_ref(pool, k_nope, k_rope)
-    assert same_bits(host(new.kv_buffer[1]), expected)
+    testing.assert_bits_equal(new.kv_buffer[1], expected)
     same = pool.set_kv(1, loc, np.concatenate([k_nope, k_rope.astype(np.float32)], -1), None)
     chex.assert_trees_all_equal(same.kv_buffer, new.kv_buffer)
 
@@ -880,10 +887,10 @@ def test_set_index_k_matches_the_numpy_quantiser():
 
 def test_empty_update_changes_nothing(pool_kind):
     pool = make_pool(pool_kind)
-    before = snapshot(pool, pool_kind)
+    before = testing.buffer_bits(pool)
     for name in SETTERS[pool_kind]:
         pool = call_setter(pool, name, 0, np.zeros((0,), np.int32), np.random.default_rng(0))
-    chex.assert_trees_all_equal(snapshot(pool, pool_kind), before)
+    testing.assert_unchanged(before, pool)
 
 
 # ---- values: dtype conversion, scales, fp8 saturation ------------------------------------------
@@ -925,7 +932,7 @@ def test_any_float_input_dtype_is_converted(pool_dtype, in_dtype, as_jax):
     # A float64 input reaches the device as float32 (x64 off): the reference does the same.
     for name, x in (("k_buffer", k), ("v_buffer", v)):
         got = host(getattr(new, name)[0])[loc]
-        assert same_bits(got, encode_ref(np.asarray(x), pool_dtype)), name
+        testing.assert_bits_equal({name: got}, {name: encode_ref(np.asarray(x), pool_dtype)})
         if pool_dtype.itemsize == 1:  # fp8 saturates: finite in, finite stored
             assert np.all(np.isfinite(decode_ref(got, pool_dtype))), name
 
@@ -938,7 +945,7 @@ def test_unscaled_values_in_the_pool_dtype_round_trip_bit_exactly(pool_dtype):
     x = bits.view(pool_dtype)
     x = np.where(np.isfinite(x.astype(np.float32)), x, np.zeros((), pool_dtype))  # any finite
     new = pool.set_k(0, np.arange(rows), x)
-    assert same_bits(host(new.get_key_buffer(0)), x)
+    testing.assert_bits_equal(new.get_key_buffer(0), x)
 
 
 @pytest.mark.parametrize(
@@ -954,8 +961,8 @@ def test_scaled_values_are_stored_divided(pool_dtype, scale):
     loc = np.array([1, 2, 3, 4])
     new = pool.set_kv(0, loc, k, v, k_scale=scale, v_scale=2.5)
     k_ref = encode_ref(k, pool_dtype, np.float32(scale))
-    assert same_bits(host(new.k_buffer[0])[loc], k_ref)
-    assert same_bits(host(new.v_buffer[0])[loc], encode_ref(v, pool_dtype, 2.5))
+    testing.assert_bits_equal(host(new.k_buffer[0])[loc], k_ref)
+    testing.assert_bits_equal(host(new.v_buffer[0])[loc], encode_ref(v, pool_dtype, 2.5))
 
 
 def test_scale_divides_exactly_in_float32():
@@ -965,7 +972,7 @@ def test_scale_divides_exactly_in_float32():
     # float64 input needs converting, so it is divided (in float32) before the cast.
     new = pool.set_k(0, np.arange(6), k.astype(np.float64), k_scale=0.37)
     got = host(new.get_key_buffer(0))[:6, 0, 0]
-    assert same_bits(got, x / np.float32(0.37))  # IEEE quotient, not x * (1 / 0.37)
+    testing.assert_bits_equal(got, x / np.float32(0.37))  # IEEE quotient, not x * (1 / 0.37)
     new = new.set_k(0, np.array([0]), np.full((1, 2, 4), 3.0), k_scale=2.0)
     assert float(new.get_key_buffer(0)[0, 0, 0]) == 1.5
 
@@ -982,9 +989,9 @@ def test_scale_is_ignored_for_values_already_in_the_pool_dtype(kind, pool_dtype)
     new = pool.set_k(0, loc, same, k_scale=0.37, donate=False)
     buf = "kv_buffer" if kind == "mla" else "k_buffer"
     want = host(same).view(pool.store_dtype)
-    assert same_bits(host(getattr(new, buf)[0])[loc], want)
+    testing.assert_bits_equal(host(getattr(new, buf)[0])[loc], want)
     new = pool.set_k(0, loc, want, k_scale=0.37)  # raw bits
-    assert same_bits(host(getattr(new, buf)[0])[loc], want)
+    testing.assert_bits_equal(host(getattr(new, buf)[0])[loc], want)
 
 
 @pytest.mark.parametrize("kind", LATENT_KINDS)
@@ -993,7 +1000,7 @@ def test_latent_set_kv_applies_k_scale(kind, pool_dtype):
     pool = make_pool(kind, pool_dtype)
     k = random_values(np.random.default_rng(11), (2, *key_row_shape(pool)))
     new = pool.set_kv(0, np.array([1, 2]), k, None, k_scale=0.25, v_scale=1e-9)
-    assert same_bits(host(new.kv_buffer[0])[1:3], latent_rows_ref(pool, k, 0.25))
+    testing.assert_bits_equal(host(new.kv_buffer[0])[1:3], latent_rows_ref(pool, k, 0.25))
 
 
 @pytest.mark.parametrize(
@@ -1082,9 +1089,9 @@ _BAD_LOCS = {
 def test_out_of_range_loc_is_dropped_and_touches_nothing(pool_kind, bad):
     pool = _prefilled(pool_kind)
     loc = _BAD_LOCS[bad](rows_of(pool))
-    before = snapshot(pool, pool_kind)
+    before = testing.buffer_bits(pool)
     new = fill_all(pool, pool_kind, 1, loc, np.random.default_rng(14))
-    chex.assert_trees_all_equal(snapshot(new, pool_kind), before)
+    testing.assert_unchanged(before, new)
 
 
 def test_minus_one_and_wrapping_slots_leave_their_rows_alone_among_valid_ones(pool_kind):
@@ -1112,14 +1119,14 @@ def test_check_bounds_raises_naming_the_first_bad_entry(pool_kind, bad_first):
     rows = rows_of(pool)
     bad = {"minus-one": -1, "past-end": rows + 1, "int64-huge": 2**32 + 5}[bad_first]
     loc = np.array([1, 2, bad, rows + 1000, 3], np.int64)
-    before = snapshot(pool, pool_kind)
+    before = testing.buffer_bits(pool)
     for name in SETTERS[pool_kind]:
         with pytest.raises(IndexError) as err:
             call_setter(pool, name, 0, loc, np.random.default_rng(0), check_bounds=True)
         msg = str(err.value)
         assert str(bad) in msg, msg
         assert str(rows + 1000) not in msg, msg
-    chex.assert_trees_all_equal(snapshot(pool, pool_kind), before)  # unchanged, not donated
+    testing.assert_unchanged(before, pool)  # not donated
 
 
 def test_check_bounds_accepts_valid_loc(pool_kind):
@@ -1191,7 +1198,7 @@ def _shape_cases(pool, kind):
 
 def test_wrong_value_shapes_raise_value_error_naming_argument_and_shapes(pool_kind):
     pool = make_pool(pool_kind)
-    before = snapshot(pool, pool_kind)
+    before = testing.buffer_bits(pool)
     for desc, call, arg, expected, actual in _shape_cases(pool, pool_kind):
         with pytest.raises(ValueError) as err:
             call()
@@ -1199,7 +1206,7 @@ def test_wrong_value_shapes_raise_value_error_naming_argument_and_shapes(pool_ki
         assert arg in msg, (desc, msg)
         assert str(tuple(expected)) in msg, (desc, msg)
         assert str(tuple(actual)) in msg, (desc, msg)
-    chex.assert_trees_all_equal(snapshot(pool, pool_kind), before)  # nothing written
+    testing.assert_unchanged(before, pool)  # nothing written
 
 
 @pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
@@ -1251,7 +1258,7 @@ def test_donate_true_donates_only_the_replaced_layer_buffers(pool_setter):
             if name in written and li == 1:
                 assert buf.is_deleted()
             else:
-                chex.assert_trees_all_equal(host(buf), keep[name][li])
+                np.testing.assert_array_equal(testing.raw_bits(buf), keep[name][li])
     readers = {
         "k_buffer": [lambda p: p.get_key_buffer(1)],
         "v_buffer": [lambda p: p.get_value_buffer(1), lambda p: p.get_kv_buffer(1)],
@@ -1273,14 +1280,15 @@ def test_donate_true_donates_only_the_replaced_layer_buffers(pool_setter):
     with pytest.raises(jaxkv.ConsumedPoolError, match="consumed by an earlier update"):
         old.get_key_buffer(0)
     key = row_buffer_names(pool_kind)[0]
-    assert same_bits(host(new.get_key_buffer(0)).view(old.store_dtype), keep[key][0])
+    np.testing.assert_array_equal(testing.raw_bits(new.get_key_buffer(0)), keep[key][0])
 
 
 def test_donate_false_keeps_the_old_pool_valid(pool_kind):
     old = _prefilled(pool_kind)
+    kept = testing.buffer_bits(old)
     keep = snapshot(old, pool_kind)
     new = fill_all(old, pool_kind, 1, np.array([3, 5]), np.random.default_rng(18), donate=False)
-    chex.assert_trees_all_equal(snapshot(old, pool_kind), keep)
+    testing.assert_unchanged(kept, old)
     changed = snapshot(new, pool_kind)
     for name in buffer_names(pool_kind):
         assert not np.array_equal(changed[name][1], keep[name][1]), name
