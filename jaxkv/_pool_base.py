@@ -10,11 +10,19 @@ slot handling or the scatter.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple, TypeAlias, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    NamedTuple,
+    TypeVar,
+)
+
+if TYPE_CHECKING:  # typing's own from 3.11 on; annotations only (never evaluated)
+    pass
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +31,7 @@ import numpy as np
 from jaxkv import _dtypes, _kernels
 from jaxkv._buffers import BufferDecl, BufferSpec, buffer, declarations
 from jaxkv._checks import int_arg, is_int
+from jaxkv._create import COMMON_ARGS, check_create
 from jaxkv.errors import ConsumedPoolError
 
 if sys.version_info >= (3, 11):
@@ -129,37 +138,6 @@ class _Static:
         return f"{self.key[0].__name__}({fields})"
 
 
-def _check_create(cls) -> None:
-    """`TypeError` unless `cls.create` takes, keyword-only, exactly fields of `cls`, every
-    static field without a default among them: `create` hands its arguments to the fields
-    by name, so a size a kind stores and the argument that sets it cannot drift apart."""
-    if not callable(getattr(cls, "create", None)):
-        raise TypeError(f"{cls.__name__}: a pool kind needs a create classmethod")
-    params = inspect.signature(cls.create).parameters
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in cls.BUFFERS}
-    needed = {
-        n
-        for n, f in fields.items()
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    }
-    unknown = sorted(set(params) - set(fields))
-    missing = sorted(needed - set(params))
-    positional = sorted(n for n, p in params.items() if p.kind is not p.KEYWORD_ONLY)
-    if unknown or missing or positional:
-        raise TypeError(
-            f"{cls.__name__}.create: expected keyword-only arguments naming its static fields "
-            f"(every one without a default), got unknown {unknown}, missing {missing}, "
-            f"positional {positional}"
-        )
-
-
-# The `create` arguments every pool kind takes; the others are the kind's own sizes.
-_COMMON_ARGS = ("size", "page_size", "dtype", "layer_num", "start_layer", "sharding")
-
-# Where a pool's buffers are placed: `create`'s `sharding`.
-Placement: TypeAlias = jax.sharding.Sharding | jax.Device | None
-
-
 def _zeros(shape: tuple[int, ...], dtype, where) -> jax.Array:
     """A zeroed buffer placed by `where`, committed to its device even when `where` is None
     (the default device). An uncommitted buffer becomes committed the first time it meets a
@@ -235,7 +213,7 @@ class PoolBase:
         cls.DECLARED = declarations(cls)
         cls.BUFFERS = tuple(d.attr for d in cls.DECLARED)
         if cls.KIND:
-            _check_create(cls)
+            check_create(cls)
             _register(cls)
 
     # ---- static description -------------------------------------------------------------
@@ -276,7 +254,7 @@ class PoolBase:
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in self.BUFFERS and f.name not in _COMMON_ARGS
+            if f.name not in self.BUFFERS and f.name not in COMMON_ARGS
         }
 
     def buffers(self, name: str) -> tuple[jax.Array, ...]:
@@ -345,9 +323,10 @@ class PoolBase:
         The kind's own sizes (every argument not common to all kinds) are positive ints.
         Every check, sharding included, runs before anything is allocated.
         """
-        args = {k: v for k, v in args.items() if k != "cls"}
-        sizes: dict[str, Any] = {k: int_arg(k, v) for k, v in args.items() if k not in _COMMON_ARGS}
-        common = cls.common_fields(**{k: args[k] for k in _COMMON_ARGS})
+        common_args = args.get("common", {})  # a kind's `**common` (see `common_create`)
+        args = {k: v for k, v in args.items() if k not in ("cls", "common")} | common_args
+        sizes: dict[str, Any] = {k: int_arg(k, v) for k, v in args.items() if k not in COMMON_ARGS}
+        common = cls.common_fields(**{k: args[k] for k in COMMON_ARGS})
         empty: dict[str, Any] = dict.fromkeys(cls.BUFFERS, ())
         pool = cls(**common, **sizes, **empty)
         pool.check_sizes()

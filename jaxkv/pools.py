@@ -16,16 +16,20 @@ Example:
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import ArrayLike
 
 from jaxkv import _dtypes, _kernels, _packed_fp8
 from jaxkv._buffers import Layers, Rows, buffer
-from jaxkv._pool_base import Placement, PoolBase, Write
+from jaxkv._create import CreateArgs, common_create
+from jaxkv._pool_base import PoolBase, Write
 from jaxkv._sharding import HEADS
+
+if TYPE_CHECKING:  # typing's own from 3.11 on; annotations only (never evaluated)
+    from typing_extensions import Unpack
 
 __all__ = ["MHAPool", "KOnlyPool", "MLAPool", "NSAPool"]
 
@@ -98,14 +102,19 @@ class _KeyedPool(PoolBase):
         return k_scale
 
 
+# The part keys, each stated once: a buffer's declaration and the setters and readers that name
+# the buffer use these (the connector's blocks carry each buffer under its key).
+K, V, KV, INDEX_K = "k", "v", "kv", "index_k"
+
+
 class _HeadPool(_KeyedPool):
     """Rows of `head_num` heads per token. Heads are independent, so a `sharding` may split
     the heads axis over a tensor-parallel mesh axis, as SGLang's ranks hold `head_num / tp`."""
 
-    KEY_PART = "k"
+    KEY_PART = K
     head_num: int
     head_dim: int
-    k_buffer: Layers = buffer(key="k", rows=lambda p: p.head_rows(p.head_dim), shard=HEADS)
+    k_buffer: Layers = buffer(key=K, rows=lambda p: p.head_rows(p.head_dim), shard=HEADS)
 
     def head_rows(self, head_dim: int) -> Rows:
         """Token-major rows of `head_num` heads of `head_dim` values, stored as the pool's
@@ -114,7 +123,7 @@ class _HeadPool(_KeyedPool):
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         """`(k_bytes, v_bytes)` over every layer (K-only: `v_bytes == 0`)."""
-        return self.part_bytes("k"), self.part_bytes("v")
+        return self.part_bytes(K), self.part_bytes(V)
 
 
 class MHAPool(_HeadPool):
@@ -123,21 +132,17 @@ class MHAPool(_HeadPool):
 
     KIND = "mha"
     v_head_dim: int
-    v_buffer: Layers = buffer(key="v", rows=lambda p: p.head_rows(p.v_head_dim), shard=HEADS)
+    v_buffer: Layers = buffer(key=V, rows=lambda p: p.head_rows(p.v_head_dim), shard=HEADS)
 
     @classmethod
+    @common_create(page_size=1)
     def create(
         cls: type[_P],
         *,
-        size: int,
-        page_size: int = 1,
-        dtype: DTypeLike = jnp.bfloat16,
         head_num: int,
         head_dim: int,
-        layer_num: int,
         v_head_dim: int | None = None,
-        start_layer: int = 0,
-        sharding: Placement = None,
+        **common: Unpack[CreateArgs],
     ) -> _P:
         """Allocates a zeroed MHA pool. The arguments every kind takes, what `create` returns
         and raises: see `PoolBase`.
@@ -154,10 +159,10 @@ class MHAPool(_HeadPool):
         """
         if v_head_dim is None:
             v_head_dim = head_dim
-        return cls._build(locals())  # every argument, by name
+        return cls._build(locals())  # every argument, by name (`common`: the shared ones)
 
     def get_value_buffer(self, layer_id: int) -> jax.Array:
-        return self.read("v", layer_id)
+        return self.read(V, layer_id)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[jax.Array, jax.Array]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
@@ -191,8 +196,8 @@ class MHAPool(_HeadPool):
         self.check_scale("k_scale", k_scale)
         self.check_scale("v_scale", v_scale)
         writes = [
-            Write("k", "cache_k", cache_k, k_scale),
-            Write("v", "cache_v", cache_v, v_scale),
+            Write(K, "cache_k", cache_k, k_scale),
+            Write(V, "cache_v", cache_v, v_scale),
         ]
         return self.write(layer_id, loc, writes, donate=donate, check_bounds=check_bounds)
 
@@ -204,18 +209,8 @@ class KOnlyPool(_HeadPool):
     KIND = "k_only"
 
     @classmethod
-    def create(
-        cls: type[_P],
-        *,
-        size: int,
-        page_size: int = 1,
-        dtype: DTypeLike = jnp.bfloat16,
-        head_num: int,
-        head_dim: int,
-        layer_num: int,
-        start_layer: int = 0,
-        sharding: Placement = None,
-    ) -> _P:
+    @common_create(page_size=1)
+    def create(cls: type[_P], *, head_num: int, head_dim: int, **common: Unpack[CreateArgs]) -> _P:
         """Allocates a zeroed K-only pool, with no V buffer at all. The arguments every kind
         takes, what `create` returns and raises: see `PoolBase`.
 
@@ -228,7 +223,7 @@ class KOnlyPool(_HeadPool):
             >>> len(pool.k_buffer), pool.k_buffer[0].shape, hasattr(pool, "v_buffer")
             (2, (12, 1, 16), False)
         """
-        return cls._build(locals())  # every argument, by name
+        return cls._build(locals())  # every argument, by name (`common`: the shared ones)
 
     def get_value_buffer(self, layer_id: int):
         raise NotImplementedError(_NO_V_READ.format(cls=type(self).__name__, layer=layer_id))
@@ -250,10 +245,10 @@ class _LatentPool(_KeyedPool):
     row serves every head, so a `sharding` places it whole (replicated over tensor-parallel
     devices), never splits it."""
 
-    KEY_PART = "kv"
+    KEY_PART = KV
     kv_lora_rank: int
     qk_rope_head_dim: int
-    kv_buffer: Layers = buffer(key="kv", rows=lambda p: p.latent_rows())
+    kv_buffer: Layers = buffer(key=KV, rows=lambda p: p.latent_rows())
 
     def latent_rows(self) -> Rows:
         """One latent row per token, `(1, kv_lora_rank + qk_rope_head_dim)`, stored as the
@@ -271,7 +266,7 @@ class _LatentPool(_KeyedPool):
     def get_mla_kv(self, layer_id: int, loc: ArrayLike) -> tuple[jax.Array, jax.Array]:
         """`(k_nope (T, 1, kv_lora_rank), k_rope (T, 1, qk_rope_head_dim))` at slots `loc`;
         out-of-range slots read as zeros."""
-        rows = self._decode_rows(self.read_slots("kv", layer_id, loc))
+        rows = self._decode_rows(self.read_slots(KV, layer_id, loc))
         return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
 
     def _decode_rows(self, bits: jax.Array) -> jax.Array:
@@ -334,7 +329,7 @@ class _LatentPool(_KeyedPool):
         """
         self._check_parts(k_nope, k_rope)
         shapes = (("k_nope", (1, self.kv_lora_rank)), ("k_rope", (1, self.qk_rope_head_dim)))
-        write = Write("kv", "k_nope/k_rope", (k_nope, k_rope), part_shapes=shapes)
+        write = Write(KV, "k_nope/k_rope", (k_nope, k_rope), part_shapes=shapes)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
 
 
@@ -344,17 +339,13 @@ class MLAPool(_LatentPool):
     KIND = "mla"
 
     @classmethod
+    @common_create(page_size=1)
     def create(
         cls: type[_P],
         *,
-        size: int,
-        page_size: int = 1,
-        dtype: DTypeLike = jnp.bfloat16,
         kv_lora_rank: int,
         qk_rope_head_dim: int,
-        layer_num: int,
-        start_layer: int = 0,
-        sharding: Placement = None,
+        **common: Unpack[CreateArgs],
     ) -> _P:
         """Allocates a zeroed MLA pool: one latent row per token and layer. The arguments
         every kind takes, what `create` returns and raises: see `PoolBase`.
@@ -368,7 +359,7 @@ class MLAPool(_LatentPool):
             >>> pool.kv_buffer[0].shape, pool.get_kv_size_bytes()
             ((5, 1, 10), 100)
         """
-        return cls._build(locals())  # every argument, by name
+        return cls._build(locals())  # every argument, by name (`common`: the shared ones)
 
 
 class NSAPool(_LatentPool):
@@ -391,22 +382,18 @@ class NSAPool(_LatentPool):
     KIND = "nsa"
     index_head_dim: int
     index_k_with_scale_buffer: Layers = buffer(
-        key="index_k", rows=lambda p: p.index_rows(), codec=_kernels.IndexCodec
+        key=INDEX_K, rows=lambda p: p.index_rows(), codec=_kernels.IndexCodec
     )
 
     @classmethod
+    @common_create(page_size=64)
     def create(
         cls: type[_P],
         *,
-        size: int,
-        page_size: int = 64,
-        dtype: DTypeLike = jnp.bfloat16,
         kv_lora_rank: int,
         qk_rope_head_dim: int,
-        layer_num: int,
         index_head_dim: int = 128,
-        start_layer: int = 0,
-        sharding: Placement = None,
+        **common: Unpack[CreateArgs],
     ) -> _P:
         """Allocates a zeroed NSA pool: MLA's latent rows plus indexer keys packed per page.
         The arguments every kind takes, what `create` returns and raises: see `PoolBase`.
@@ -423,7 +410,7 @@ class NSAPool(_LatentPool):
             >>> pool.kv_buffer[0].shape, pool.index_k_with_scale_buffer[0].shape
             ((128, 1, 10), (2, 8448))
         """
-        return cls._build(locals())  # every argument, by name
+        return cls._build(locals())  # every argument, by name (`common`: the shared ones)
 
     def check_sizes(self) -> None:
         if self.packed_fp8:
@@ -466,7 +453,7 @@ class NSAPool(_LatentPool):
         in float32; casting it to bfloat16 gives SGLang's `dequantize_k_cache`)."""
         if not self.packed_fp8:
             return super().get_key_buffer(layer_id)
-        return self._decode_rows(self.part_layer("kv", layer_id))
+        return self._decode_rows(self.part_layer(KV, layer_id))
 
     def _applied_scale(self, k_scale):
         # Packed fp8 rows carry a scale per tile and SGLang's packed writer takes no other:
@@ -480,12 +467,12 @@ class NSAPool(_LatentPool):
                     raise ValueError(
                         f"{arg}: uint8 raw bits cannot be split into parts of a packed fp8 row; "
                         "pass float values, or whole packed rows uint8 (T, 1, "
-                        f"{self.spec('kv').row_shape[-1]}) to set_k"
+                        f"{self.spec(KV).row_shape[-1]}) to set_k"
                     )
 
     def get_index_k(self, layer_id: int, loc: ArrayLike) -> jax.Array:
         """Dequantised index keys float32 `(T, index_head_dim)` at slots `loc`."""
-        records = self.read_slots("index_k", layer_id, loc)
+        records = self.read_slots(INDEX_K, layer_id, loc)
         return self._index_codec().dequantize(records)
 
     def set_index_k(
@@ -516,5 +503,5 @@ class NSAPool(_LatentPool):
             TypeError: `index_k` that is not real numbers, or non-integer `loc`.
             ConsumedPoolError: this pool was consumed by an earlier update.
         """
-        write = Write("index_k", "index_k", index_k)
+        write = Write(INDEX_K, "index_k", index_k)
         return self.write(layer_id, loc, [write], donate=donate, check_bounds=check_bounds)
