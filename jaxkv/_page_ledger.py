@@ -23,14 +23,14 @@ class PageLedger:
         num_pages: the allocator's pages.
     """
 
-    __slots__ = ("page_size", "num_pages", "_held", "_in_page", "_offsets")
+    __slots__ = ("page_size", "num_pages", "_held", "_in_page", "_patterns")
 
     def __init__(self, page_size: int, num_pages: int):
         self.page_size = page_size
         self.num_pages = num_pages
         self._held = np.zeros(num_pages + 1, bool)
         self._in_page = np.arange(page_size, dtype=np.int64)  # a page's slot offsets
-        self._offsets = b""  # the bytes of the offsets of consecutive pages' slots, grown
+        self._patterns: dict[int, bytes] = {}  # see `_pattern`
 
     def pages(self, slots: np.ndarray) -> np.ndarray:
         """The page of each whole page of `slots` (their first slots, divided)."""
@@ -49,8 +49,9 @@ class PageLedger:
         """`slots` as int64 and their pages, refused unless they are whole allocator pages,
         distinct and not held.
 
-        Pages in ascending order (as allocators hand them out) are checked in a few vectorised
-        steps over the pages; anything else is examined in full, which names the first fault.
+        Two shapes, as allocators hand pages out, are checked in a few vectorised steps: one
+        run of consecutive slots from a page's first, and whole pages in ascending order.
+        Anything else is examined in full, which names the first fault.
 
         Raises:
             ValueError: naming `slots`, the fault and the first slot or page at fault.
@@ -58,27 +59,56 @@ class PageLedger:
         if slots.dtype.kind == "u" and slots.size and slots.max() > _INT64_MAX:
             self._diagnose(slots)  # names the value given, before a cast wraps it
         slots = slots.astype(np.int64, copy=False)
+        if not slots.size:
+            return slots, slots
         page = self.page_size
-        if page == 1:
-            pages, whole = slots, True
+        # count_nonzero rather than any/all: the same answer for a fraction of the overhead.
+        start = int(slots[0])
+        run = (slots - start).tobytes()
+        if start % page == 0 and self._pattern(run, 0).startswith(run):
+            low = start // page
+            high = low + slots.size // page
+            if (
+                1 <= low
+                and high <= self.num_pages + 1
+                and not np.count_nonzero(self._held[low:high])
+            ):
+                return slots, np.arange(low, high)
+        elif page == 1:
+            pages = slots
+            if not np.count_nonzero(pages[1:] <= pages[:-1]) and self._free_pages(pages):
+                return slots, pages
         else:
             pages = slots[::page] // page
             # A page's slots are page * page_size + 0 .. page_size - 1, in order.
             offsets = (slots.reshape(-1, page) - (pages * page)[:, None]).tobytes()
-            if len(self._offsets) < len(offsets):  # doubling: grown to the longest run
-                tile = max(2 * len(self._offsets), len(offsets)) // (8 * page)
-                self._offsets = np.tile(self._in_page, tile).tobytes()
-            whole = self._offsets.startswith(offsets)
-        # count_nonzero rather than any/all: the same answer for a fraction of the overhead.
-        if pages.size and not (
-            whole
-            and (pages.size == 1 or not np.count_nonzero(pages[1:] <= pages[:-1]))  # distinct
-            and 1 <= pages[0]
+            if (
+                self._pattern(offsets, page).startswith(offsets)
+                and not np.count_nonzero(pages[1:] <= pages[:-1])  # ascending: distinct
+                and self._free_pages(pages)
+            ):
+                return slots, pages
+        self._diagnose(slots)
+        return slots, self.pages(slots)  # valid pages, in another order
+
+    def _free_pages(self, pages: np.ndarray) -> bool:
+        """Whether ascending `pages` are the allocator's and none is held."""
+        return (
+            1 <= pages[0]
             and pages[-1] <= self.num_pages
             and not np.count_nonzero(self._held[pages])
-        ):
-            self._diagnose(slots)
-        return slots, pages
+        )
+
+    def _pattern(self, like: bytes, period: int) -> bytes:
+        """At least `len(like)` bytes of int64s 0, 1, 2, ... (`period` 0) or of 0 ..
+        `period - 1` repeated, kept and grown by doubling."""
+        kept = self._patterns.get(period, b"")
+        if len(kept) < len(like):
+            n = max(2 * len(kept), len(like)) // 8
+            ramp = np.arange(n, dtype=np.int64)
+            kept = (ramp % period if period else ramp).tobytes()
+            self._patterns[period] = kept
+        return kept
 
     def _diagnose(self, slots: np.ndarray) -> None:
         """`new_pages`' check in full: raises naming the first fault, or returns when the

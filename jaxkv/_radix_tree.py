@@ -457,10 +457,10 @@ class RadixTree:
     def _detach_lru(self, num_tokens: int) -> list[Node]:
         """Takes least recently used evictable leaves out of the tree until `num_tokens`
         tokens are out, keeping their slots (see `_release`, `_reattach`)."""
-        victims, freed = [], 0
-        heap = self._heap
-        while freed < num_tokens and heap:
-            entry = heapq.heappop(heap)
+        victims: list[Node] = []
+        freed = 0
+        while freed < num_tokens and self._heap:
+            entry = heapq.heappop(self._heap)
             if not self._valid(entry):
                 continue
             node = entry[2]
@@ -473,8 +473,8 @@ class RadixTree:
             self._total -= node.size
             victims.append(node)
             freed += node.size
-            self._push_if_evictable(parent)
-            heap = self._heap  # a push may have rebuilt it
+            if not parent.children:  # a leaf now (only a leaf can enter the heap)
+                self._push_if_evictable(parent)
         return victims
 
     def _reattach(self, victims: list[Node]) -> None:
@@ -494,8 +494,9 @@ class RadixTree:
         SGLang's per-leaf frees leave them once merged)."""
         if not victims:
             return
-        values = (
-            victims[0].value if len(victims) == 1 else np.concatenate([v.value for v in victims])
-        )
+        if len(victims) == 1:
+            values = victims[0].value
+        else:
+            values = np.concatenate([v.value for v in victims])
         self._ledger.release(self._ledger.pages(values))
         self.allocator.free(values)

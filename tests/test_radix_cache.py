@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from jaxkv import MHAPool, PagedAllocator, PrefixMatch, RadixCache, TokenAllocator
 from jaxkv.connector import HostStore, KVConnector
+from jaxkv.radix_cache import StoreConnector
 
 # --------------------------------------------------------------------------------------------
 # Helpers
@@ -732,6 +733,67 @@ def test_a_salted_prefix_never_matches_under_another_salt_in_the_tree_or_the_sto
     assert cache.match_prefix(tokens).slots.size == 0
 
 
+class _Wrapped:
+    """A connector that is no `KVConnector`: the four members of `StoreConnector`, passed on
+    to a real one, each call recorded."""
+
+    def __init__(self, conn):
+        self.conn, self.calls = conn, []
+
+    @property
+    def block_size(self):
+        return self.conn.block_size
+
+    def lookup(self, token_ids, *, salt=None, start=0):
+        self.calls.append("lookup")
+        return self.conn.lookup(token_ids, salt=salt, start=start)
+
+    def store(self, pool, token_ids, slots, *, salt=None):
+        self.calls.append("store")
+        return self.conn.store(pool, token_ids, slots, salt=salt)
+
+    def load(self, pool, token_ids, slots, *, salt=None, start=0):
+        self.calls.append("load")
+        return self.conn.load(pool, token_ids, slots, salt=salt, start=start)
+
+
+def test_the_connector_is_any_object_with_the_four_members_the_tier_calls():
+    pool = _pool(1)
+    conn = _Wrapped(KVConnector(pool, HostStore(1 << 22), block_size=4))
+    assert isinstance(conn, StoreConnector)
+    assert isinstance(KVConnector(pool, HostStore(1 << 20), block_size=4), StoreConnector)
+    alloc = _alloc(1)
+    cache = RadixCache(alloc, connector=conn)
+    tokens = np.arange(8)
+    slots = alloc.alloc(8)
+    cache.insert(tokens, slots)
+    want = raw_rows(pool, slots)
+    assert cache.evict(8, pool=pool) == 8
+    m = cache.match_prefix(tokens)
+    assert m.stored_tokens == 8
+    pool, got = cache.load_back(pool, tokens, m)
+    assert same_bits(raw_rows(pool, got.slots), want)
+    assert conn.calls == ["store", "lookup", "load"]
+
+
+@pytest.mark.parametrize("missing", ["block_size", "lookup", "store", "load"])
+def test_a_connector_without_a_member_is_refused_naming_it(missing):
+    members = {
+        name: (lambda *a, **k: 0) if name != "block_size" else 4
+        for name in ("block_size", "lookup", "store", "load")
+        if name != missing
+    }
+    duck = type("Duck", (), members)()
+    with pytest.raises(TypeError, match=rf"connector: expected .* got Duck without {missing}$"):
+        RadixCache(TokenAllocator(8), connector=duck)
+
+
+def test_a_connector_whose_method_is_not_callable_is_refused():
+    duck = type("Duck", (), {"block_size": 4, "lookup": None, "store": len, "load": len})()
+    with pytest.raises(TypeError, match="connector: .* with a lookup that is not callable"):
+        RadixCache(TokenAllocator(8), connector=duck)
+
+
 def test_write_through_stores_at_insert_and_needs_the_pool():
     cache, alloc, pool, conn = _tiered(block=4, policy="write_through")
     tokens = np.arange(10)
@@ -868,6 +930,52 @@ def test_insert_checks_new_pages_in_any_order(page):
     np.testing.assert_array_equal(cache.match_prefix(tokens).slots, shuffled)
     with pytest.raises(ValueError, match="does not hold"):  # now the tree's
         cache.insert(np.arange(200, 200 + page), fresh[3])
+
+
+def _takes(slots: list[int], page: int, num_pages: int, held: set[int]) -> bool:
+    """The rule for new slots, written plainly: the allocator's slots, in whole pages (each
+    page's slots in order), each page once, none the cache holds."""
+    if any(s < page or s >= (num_pages + 1) * page for s in slots):
+        return False
+    groups = [slots[i : i + page] for i in range(0, len(slots), page)]
+    if any(g[0] % page or g != list(range(g[0], g[0] + page)) for g in groups):
+        return False
+    pages = [g[0] // page for g in groups]
+    return len(set(pages)) == len(pages) and not set(pages) & held
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@settings(max_examples=4 * settings.default.max_examples, deadline=None)
+@given(data=st.data())
+def test_new_slots_are_taken_exactly_when_they_are_whole_free_pages(page, data):
+    """Runs of pages, pages in any order, repeated, out of range or held, and single slots
+    moved: insert takes the slots exactly when the plain rule does, and else changes nothing."""
+    num_pages = 12
+    alloc = PagedAllocator(num_pages * page, page)
+    cache = RadixCache(alloc)
+    held_slots = alloc.alloc(3 * page)
+    cache.insert(np.arange(3 * page), held_slots)
+    held = {int(s) // page for s in held_slots}
+    k = data.draw(st.integers(1, 5))
+    if data.draw(st.booleans()):  # a run, as allocators hand out
+        first = data.draw(st.integers(0, num_pages + 1))
+        pages = list(range(first, first + k))
+    else:
+        pages = data.draw(st.lists(st.integers(0, num_pages + 1), min_size=k, max_size=k))
+    slots = [p * page + o for p in pages for o in range(page)]
+    if data.draw(st.booleans()):  # one slot moved
+        i = data.draw(st.integers(0, len(slots) - 1))
+        slots[i] += data.draw(st.sampled_from([-page, -1, 1, page]))
+    tokens = np.arange(1000, 1000 + len(slots))
+    before, free = _sizes(cache), _state(alloc)
+    if _takes(slots, page, num_pages, held):
+        assert cache.insert(tokens, np.array(slots)) == 0
+        np.testing.assert_array_equal(cache.match_prefix(tokens).slots, slots)
+        assert cache.total_size() == before[2] + len(slots)
+    else:
+        with pytest.raises(ValueError, match="slots: expected"):
+            cache.insert(tokens, np.array(slots))
+        assert _sizes(cache) == before and _state(alloc) == free
 
 
 def test_insert_refuses_pages_out_of_alignment_at_either_end():

@@ -243,3 +243,18 @@ def test_where_jaxkv_differs():
     empty = sgl_radix.RadixKey(array("q", tokens), cache_salt="")
     assert pair.theirs.match_prefix(MatchPrefixParams(key=empty)).device_prefix_len == 8
     assert pair.ours.match_prefix(tokens, salt="").slots.size == 0
+
+
+@pytest.mark.usefixtures("clock")
+def test_the_bench_streams_answer_alike():
+    """The bench's seven stream shapes (`jaxkv.bench._radix.STREAMS`) at toy sizes, both page
+    sizes: every matched length, insert return and eviction of the two trees must agree (the
+    section raises otherwise), so each row carries a ratio."""
+    from jaxkv.bench import TINY, Setting, _radix
+
+    res = _radix.measure(Setting(TINY, "cpu"))
+    assert res["skipped"] is None
+    assert {(r["shared"], r["page_size"]) for r in res["rows"]} == {
+        (s, p) for s in _radix.STREAMS for p in _radix.PAGES
+    }
+    assert all(r["SGLang/jaxkv"] > 0 for r in res["rows"])
