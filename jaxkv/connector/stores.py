@@ -334,13 +334,7 @@ class BlockStore(abc.ABC):
         Raises:
             TypeError: a `stop_at_miss` or `strict` that is not a bool.
         """
-        return each(
-            lambda key, call: self.contains(key),
-            keys,
-            False,
-            stop_at_miss=stop_at_miss,
-            strict=self._strictness(strict),
-        )
+        return self._key_by_key(self.contains, keys, False, stop_at_miss, strict)
 
     def get_many(
         self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
@@ -359,13 +353,7 @@ class BlockStore(abc.ABC):
         Raises:
             TypeError: a `stop_at_miss` or `strict` that is not a bool.
         """
-        return each(
-            lambda key, call: self.get(key),
-            keys,
-            None,
-            stop_at_miss=stop_at_miss,
-            strict=self._strictness(strict),
-        )
+        return self._key_by_key(self.get, keys, None, stop_at_miss, strict)
 
     def put_many(
         self, records: Sequence[BlockRecord], *, strict: bool | None = None
@@ -419,8 +407,14 @@ class BlockStore(abc.ABC):
         Raises:
             TypeError: a `strict` that is not a bool.
         """
+        return self._key_by_key(self.discard, keys, False, False, strict)
+
+    def _key_by_key(self, one, keys, missing, stop_at_miss, strict) -> StoreResult:
+        """`one(key)` of each key as one call (see `each`); an exception `one` raises ends
+        it."""
+        strict = self._strictness(strict)
         return each(
-            lambda key, call: self.discard(key), keys, False, strict=self._strictness(strict)
+            lambda key, call: one(key), keys, missing, stop_at_miss=stop_at_miss, strict=strict
         )
 
     @property
