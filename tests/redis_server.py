@@ -1,9 +1,11 @@
-"""A throwaway `redis-server` on a free loopback port, for the tests (`from redis_server import
-LocalRedis, MISSING`, as the tests import helpers.py's); the bench takes a server's URL.
+"""A throwaway `redis-server` on a free loopback port, and a Redis Cluster of them, for the
+tests (`from redis_server import LocalRedis, LocalRedisCluster, MISSING`, as the tests import
+helpers.py's) and the bench.
 
-Nothing is persisted (`--save ''`, `--appendonly no`) and the server lives in a temporary
+Nothing is persisted (`--save ''`, `--appendonly no`) and each server lives in a temporary
 folder; `stop` kills it, `start` again brings it back on the same port (empty), as a restarted
-cache server would come back.
+cache server would come back. A cluster node keeps its `nodes.conf` there, so a restarted node
+rejoins its cluster.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import tempfile
 import time
 
 MISSING = "redis-server is not installed (e.g. `apt-get install redis-server`)"
+MISSING_CLI = "redis-cli is not installed (it comes with redis-server, in redis-tools)"
 
 
 def _free_port() -> int:
@@ -101,6 +104,131 @@ class LocalRedis:
         self._dir.cleanup()
 
     def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# Cluster nodes for tests: a node is judged failed after 1 s and its replica takes over however
+# stale (validity factor 0); the others serve their slots meanwhile (no full coverage needed);
+# replicas sync at once (no diskless delay).
+_CLUSTER_NODE = (
+    "--cluster-enabled",
+    "yes",
+    "--cluster-config-file",
+    "nodes.conf",
+    "--cluster-node-timeout",
+    "1000",
+    "--cluster-require-full-coverage",
+    "no",
+    "--cluster-replica-validity-factor",
+    "0",
+    "--repl-diskless-sync-delay",
+    "0",
+)
+
+
+class LocalRedisCluster:
+    """A Redis Cluster of `masters` masters, each with `replicas` replicas, on loopback.
+
+    Args:
+        masters: master nodes (at least 3: `redis-cli --cluster create` wants 3).
+        replicas: replicas per master.
+
+    Raises:
+        FileNotFoundError: `redis-server` or `redis-cli` is not on the PATH.
+    """
+
+    def __init__(self, masters: int = 3, replicas: int = 0):
+        if shutil.which("redis-cli") is None:
+            raise FileNotFoundError(MISSING_CLI)
+        self.replicas = replicas
+        # The cluster bus gets a free port of its own (its default, the port + 10000, may be
+        # taken or past 65535).
+        self.nodes = [
+            LocalRedis(*_CLUSTER_NODE, "--cluster-port", str(_free_port()))
+            for _ in range(masters * (1 + replicas))
+        ]
+        self.url = f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    @staticmethod
+    def available() -> bool:
+        """Whether `redis-server` and `redis-cli` are on the PATH."""
+        return LocalRedis.available() and shutil.which("redis-cli") is not None
+
+    def start(self, timeout_s: float = 30.0) -> LocalRedisCluster:
+        """Starts every node, joins them (`redis-cli --cluster create`) and waits until every
+        node sees the whole cluster up and every replica has synced."""
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            ["redis-cli", "--cluster", "create"]
+            + [f"127.0.0.1:{n.port}" for n in self.nodes]
+            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+        self.wait_until_ok(timeout_s)
+        return self
+
+    def client(self, node: LocalRedis):
+        import redis
+
+        return redis.Redis(port=node.port, socket_timeout=5.0)
+
+    def wait_until_ok(self, timeout_s: float = 30.0) -> None:
+        """Waits until every running node says `cluster_state:ok` and knows a master for
+        every slot, and every running replica's link to its master is up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if all(self._ok(n) for n in self.nodes if n.pid is not None):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not come up")
+            time.sleep(0.05)
+
+    def _ok(self, node: LocalRedis) -> bool:
+        import redis
+
+        client = self.client(node)
+        try:
+            info = client.execute_command("CLUSTER", "INFO").decode()
+            if "cluster_state:ok" not in info or "cluster_slots_ok:16384" not in info:
+                return False
+            replication = client.info("replication")
+            return replication["role"] == "master" or replication["master_link_status"] == "up"
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def owner(self, name: str) -> LocalRedis:
+        """The running node that serves the slot of key `name` now (as a running node sees
+        the cluster)."""
+        import redis
+
+        for node in self.nodes:
+            if node.pid is None:
+                continue
+            client = self.client(node)
+            try:
+                slot = client.execute_command("CLUSTER", "KEYSLOT", name)
+                for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                    if start <= slot <= end:
+                        return next(n for n in self.nodes if n.port == master[1])
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+        raise RuntimeError(f"no running node knows the owner of {name!r}")
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> LocalRedisCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -29,12 +29,15 @@ one command (out of memory, read-only replica) is a failure of that command only
 The client speaks RESP2 unless the URL asks otherwise (`?protocol=3`): every Redis and Valkey
 server and every proxy speaks it, where RESP3 needs Redis 6 or later and a `HELLO` command that
 proxies may lack.
+
+A Redis Cluster (`redis+cluster://HOST:PORT`) is the same store over several servers: each
+call's per-key commands go as one pipeline to each node owning any of the keys' slots, every
+node behind a breaker of its own, and a node down, a slot that moved or a failover in progress
+is a miss for those keys (`_redis_cluster` routes them).
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import numbers
 import threading
@@ -44,6 +47,17 @@ from collections.abc import Callable, Sequence
 from jaxkv._checks import bool_arg, text_arg
 from jaxkv.connector import _records
 from jaxkv.connector._records import BlockRecord
+from jaxkv.connector._redis_cluster import (
+    CLUSTER_SCHEMES,
+    UNANSWERED,
+    BadReply,
+    Cluster,
+    Link,
+    Server,
+    describe,
+    parse_url,
+    server_fault,
+)
 from jaxkv.connector.stores import BatchStore, StoreResult
 
 _INSTALL = (
@@ -61,7 +75,7 @@ _REMOTE_COUNTERS = ("round_trips", "dropped", "unavailable", "breaker_trips")
 MAX_SECONDS = 86400.0
 
 
-def _seconds(name: str, value) -> float:
+def seconds_arg(name: str, value) -> float:
     """`value` as float seconds when it is a real number in `(0, MAX_SECONDS]` (NaN, infinities
     and bools refused); else `ValueError` naming `name`."""
     try:
@@ -75,21 +89,6 @@ def _seconds(name: str, value) -> float:
     return seconds
 
 
-class _BadReply(Exception):
-    """A reply no Redis server gives to the command that was sent."""
-
-
-def _describe(reply) -> str:
-    """What a reply is, for a log line: its type and size, never its bytes."""
-    if isinstance(reply, (bytes, bytearray, str)):
-        return f"{type(reply).__name__} of length {len(reply)}"
-    if isinstance(reply, (list, tuple, set, dict)):
-        return f"{type(reply).__name__} of {len(reply)} items"
-    if isinstance(reply, int) and not isinstance(reply, bool) and abs(reply) < 10**12:
-        return f"int {reply}"
-    return type(reply).__name__
-
-
 def _count_reply(reply, at_most: int | None = None) -> int:
     """The reply of a command answering a count (`STRLEN`, `DEL`, `DBSIZE`)."""
     if (
@@ -100,14 +99,14 @@ def _count_reply(reply, at_most: int | None = None) -> int:
     ):
         return reply
     bound = "" if at_most is None else f" and <= {at_most}"
-    raise _BadReply(f"expected an integer >= 0{bound}, got {_describe(reply)}")
+    raise BadReply(f"expected an integer >= 0{bound}, got {describe(reply)}")
 
 
 def _value_reply(reply) -> bytes | None:
     """The reply of `GET`: the value's bytes, or `None` for an absent key."""
     if reply is None or isinstance(reply, bytes):
         return reply
-    raise _BadReply(f"GET: expected a bulk string or nil, got {_describe(reply)}")
+    raise BadReply(f"GET: expected a bulk string or nil, got {describe(reply)}")
 
 
 def _set_reply(reply) -> bool:
@@ -117,13 +116,13 @@ def _set_reply(reply) -> bool:
         return False
     if reply == b"OK":
         return True
-    raise _BadReply(f"SET NX: expected OK or nil, got {_describe(reply)}")
+    raise BadReply(f"SET NX: expected OK or nil, got {describe(reply)}")
 
 
 def _info_reply(reply) -> bytes:
     if isinstance(reply, bytes):
         return reply
-    raise _BadReply(f"INFO: expected a bulk string, got {_describe(reply)}")
+    raise BadReply(f"INFO: expected a bulk string, got {describe(reply)}")
 
 
 def _used_memory(info: bytes) -> int | None:
@@ -138,24 +137,97 @@ def _used_memory(info: bytes) -> int | None:
     return None
 
 
-def _server_fault(err: BaseException) -> bool:
-    """Whether an exception raised while talking to the server is the server's doing (any
-    `Exception` of redis-py, its parser or the socket), rather than this process's
-    (`KeyboardInterrupt`, `SystemExit`, `MemoryError`), which must propagate."""
-    return isinstance(err, Exception) and not isinstance(err, MemoryError)
+class Breaker:
+    """A circuit breaker: closed until a call fails, then open (every call answered at once,
+    without the network) for `retry_after_s`, doubling per failed probe up to
+    `max_retry_after_s`; once the wait ends, the first call probes while the others still
+    answer locally, and the probe's outcome closes or reopens it.
+
+    Args:
+        retry_after_s: the first wait, in seconds.
+        max_retry_after_s: the longest wait.
+        count: `count(name)` adds one to a store counter: `unavailable` (a call refused while
+            open, when counted) and `breaker_trips` (each time it opens).
+    """
+
+    def __init__(
+        self, retry_after_s: float, max_retry_after_s: float, count: Callable[[str], None]
+    ):
+        self.retry_after_s = retry_after_s
+        self.max_retry_after_s = max_retry_after_s
+        self._count = count
+        self._lock = threading.Lock()
+        self._open_until = 0.0  # 0 while closed
+        self._backoff = retry_after_s
+        self._probing = False
+
+    def admit(self, counted: bool = True) -> bool:
+        """Whether a call may use the network now (closed, or the one probe once open)."""
+        with self._lock:
+            if not self._open_until:
+                return True
+            if self._probing or time.monotonic() < self._open_until:
+                if counted:
+                    self._count("unavailable")
+                return False
+            self._probing = True
+            return True
+
+    def settle(self, ok: bool) -> None:
+        """The outcome of an admitted call: closes the breaker, or (re)opens it."""
+        with self._lock:
+            was_open, self._probing = bool(self._open_until), False
+            if ok:
+                self._open_until, self._backoff = 0.0, self.retry_after_s
+                return
+            if was_open:  # a failed probe: wait longer before the next one
+                self._backoff = min(2 * self._backoff, self.max_retry_after_s)
+            self._open_until = time.monotonic() + self._backoff
+            self._count("breaker_trips")
+
+    def abandon(self) -> None:
+        """An admitted call ended by something not the server's doing: no outcome, and the
+        next call may probe."""
+        with self._lock:
+            self._probing = False
+
+    @property
+    def closed(self) -> bool:
+        return not self._open_until
+
+
+def breaker_times(retry_after_s, max_retry_after_s) -> tuple[float, float]:
+    """The breaker's waits, checked (see `RedisStore`): a maximum of 30 s, or `retry_after_s`
+    when that is longer, unless given."""
+    first = seconds_arg("retry_after_s", retry_after_s)
+    if max_retry_after_s is None:
+        max_retry_after_s = max(30.0, first)
+    longest = seconds_arg("max_retry_after_s", max_retry_after_s)
+    if longest < first:
+        # The breaker's wait only grows from `retry_after_s`: a smaller maximum is a typo.
+        raise ValueError(
+            f"max_retry_after_s: expected at least retry_after_s ({first:g} s), got "
+            f"{max_retry_after_s!r}"
+        )
+    return first, longest
 
 
 class RedisStore(BatchStore):
-    """Blocks in a Redis or Valkey server at `url`, shared by every host pointed at it.
+    """Blocks in a Redis or Valkey server at `url`, or in a Redis Cluster, shared by every
+    host pointed at it.
 
     Args:
         url: a redis-py URL, e.g. `redis://cache-host:6379/0` (`rediss://` for TLS,
-            `unix:///path/redis.sock` for a local socket).
+            `unix:///path/redis.sock` for a local socket), or a Redis Cluster's:
+            `redis+cluster://HOST:PORT` naming one node (the others are discovered; more
+            startup nodes with `?nodes=HOST:PORT;HOST:PORT`; `rediss+cluster://` for TLS).
         timeout_s: the longest one connect, send or receive may wait; a call that hits it is
             a miss (reads) or a dropped store (writes).
         key_prefix: put before every block key on the server; separates caches that share
-            one database.
-        retry_after_s: how long the circuit breaker stays open after the first failure.
+            one database. In a cluster, a hash tag in it (`{...}`) puts every block in one
+            slot, on one node.
+        retry_after_s: how long the circuit breaker stays open after the first failure (in a
+            cluster, each node's; also the shortest time between two reads of its slot map).
         max_retry_after_s: the longest it stays open after repeated failures; at least
             `retry_after_s`. Default: 30 s, or `retry_after_s` when that is longer.
 
@@ -168,12 +240,14 @@ class RedisStore(BatchStore):
             `key_prefix` UTF-8 cannot encode, a time that is not a finite number of seconds in
             `(0, MAX_SECONDS]`, or a `max_retry_after_s` below `retry_after_s`.
 
-    `stats()` adds to the common counters: `round_trips` (to the server, for blocks),
-    `dropped` (blocks not stored because the server failed or the breaker was open),
-    `unavailable` (calls answered without the network while the breaker was open) and
-    `breaker_trips`; `blocks` and `bytes` are the server's key count and memory in use (0
-    while it is unreachable). `verification_failures` counts the records found damaged and
-    the keys found holding another type than a string; each is deleted from the server.
+    `stats()` adds to the common counters: `round_trips` (to a server, for blocks: one per
+    node in a cluster), `dropped` (blocks not stored because the server failed or the
+    breaker was open), `unavailable` (calls answered without the network while the breaker
+    was open), `breaker_trips`, and for a cluster `moved` (keys answered `MOVED` or `ASK`:
+    misses); `blocks` and `bytes` are the server's key count and memory in use (summed over
+    the masters that answer; 0 while none does). `verification_failures` counts the records
+    found damaged and the keys found holding another type than a string; each is deleted from
+    the server.
 
     Its methods never raise the server's failures, even under a strict `KVConnector`: a
     failed call (the server down, slow, or answering what Redis never answers) is counted
@@ -181,6 +255,7 @@ class RedisStore(BatchStore):
 
     Example:
         >>> store = RedisStore("redis://cache-host:6379/0", timeout_s=0.5)  # doctest: +SKIP
+        >>> shared = RedisStore("redis+cluster://cache-1:7000")  # doctest: +SKIP
     """
 
     def __init__(
@@ -201,143 +276,57 @@ class RedisStore(BatchStore):
             raise ImportError(_INSTALL) from err
         self.url = text_arg("url", url)
         self.key_prefix = text_arg("key_prefix", key_prefix)
-        self.timeout_s = _seconds("timeout_s", timeout_s)
-        self.retry_after_s = _seconds("retry_after_s", retry_after_s)
-        if max_retry_after_s is None:
-            max_retry_after_s = max(30.0, self.retry_after_s)
-        self.max_retry_after_s = _seconds("max_retry_after_s", max_retry_after_s)
-        if self.max_retry_after_s < self.retry_after_s:
-            # The breaker's wait only grows from `retry_after_s`: a smaller maximum is a typo.
-            raise ValueError(
-                f"max_retry_after_s: expected at least retry_after_s ({self.retry_after_s:g} "
-                f"s), got {max_retry_after_s!r}"
-            )
+        self.timeout_s = seconds_arg("timeout_s", timeout_s)
+        self.retry_after_s, self.max_retry_after_s = breaker_times(retry_after_s, max_retry_after_s)
         self._counters.update(dict.fromkeys(_REMOTE_COUNTERS, 0))
-        # No retries inside redis-py: a retry would double the time a dead server costs the
-        # caller; the breaker decides when to try again. RESP2 unless the URL says otherwise
-        # (see the module docstring).
-        try:
-            self._client = redis.Redis.from_url(
-                url,
-                socket_timeout=self.timeout_s,
-                socket_connect_timeout=self.timeout_s,
-                retry=Retry(NoBackoff(), 0),
-                protocol=2,
-            )
-        except ValueError as err:  # redis-py's message does not say which argument
-            raise ValueError(
-                f"url: expected a redis://, rediss:// or unix:// URL, got {url!r} ({err})"
-            ) from err
-        pool = self._client.connection_pool
-        if pool.connection_kwargs.get("decode_responses"):
-            raise ValueError(
-                f"url: expected a URL without decode_responses (records are bytes), got {url!r}"
-            )
-        self._pool = pool
-        self._take = _connection_taker(pool)
         self._error_reply = redis.ResponseError
         self._oom = getattr(redis.exceptions, "OutOfMemoryError", ())
-        self._connection_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
-        # Circuit breaker: closed while `_open_until` is 0; open (every call answered locally)
-        # until then; the first call past it probes while the others still answer locally.
-        self._breaker = threading.Lock()
-        self._open_until = 0.0
-        self._backoff = self.retry_after_s
-        self._probing = False
 
-    # ---- circuit breaker -------------------------------------------------------------------
+        def link_to(node_url: str) -> Link:
+            # No retries inside redis-py: a retry would double the time a dead server costs
+            # the caller; the breaker decides when to try again. RESP2 unless the URL says
+            # otherwise (see the module docstring).
+            try:
+                pool = redis.ConnectionPool.from_url(
+                    node_url,
+                    socket_timeout=self.timeout_s,
+                    socket_connect_timeout=self.timeout_s,
+                    retry=Retry(NoBackoff(), 0),
+                    protocol=2,
+                )
+            except ValueError as err:  # redis-py's message does not say which argument
+                raise ValueError(
+                    f"url: expected a redis://, rediss://, unix:// or redis+cluster:// URL, "
+                    f"got {url!r} ({err})"
+                ) from err
+            if pool.connection_kwargs.get("decode_responses"):
+                raise ValueError(
+                    f"url: expected a URL without decode_responses (records are bytes), got {url!r}"
+                )
+            breaker = Breaker(self.retry_after_s, self.max_retry_after_s, self._count)
+            return Link(pool, breaker, redis.exceptions, self._count, self._failures.note)
 
-    def _admit(self, counted: bool) -> bool:
-        """Whether a call may use the network now (closed, or the one probe once open)."""
-        with self._breaker:
-            if not self._open_until:
-                return True
-            if self._probing or time.monotonic() < self._open_until:
-                if counted:
-                    self._count("unavailable")
-                return False
-            self._probing = True
-            return True
+        self._route: Server | Cluster
+        if self.url.startswith(CLUSTER_SCHEMES):
+            self._counters["moved"] = 0
+            startup, node_url = parse_url(self.url)
+            self._route = Cluster(
+                startup,
+                lambda address: link_to(node_url(address)),
+                redis.exceptions,
+                self._count,
+                self._failures.note,
+                self.retry_after_s,
+            )
+        else:
+            self._route = Server(link_to(self.url))
 
-    def _settle(self, ok: bool) -> None:
-        with self._breaker:
-            was_open, self._probing = bool(self._open_until), False
-            if ok:
-                self._open_until, self._backoff = 0.0, self.retry_after_s
-                return
-            if was_open:  # a failed probe: wait longer before the next one
-                self._backoff = min(2 * self._backoff, self.max_retry_after_s)
-            self._open_until = time.monotonic() + self._backoff
-            self._count("breaker_trips")
+    # ---- round trips -----------------------------------------------------------------------
 
-    # ---- one round trip --------------------------------------------------------------------
-
-    def _call(self, commands: list[tuple], parse: Callable[[list], list], *, counted=True):
-        """Sends `commands` (argument tuples) in one write on one connection, reads one reply
-        per command and returns `parse(replies)`; `None` when the breaker is open or the call
-        failed. `counted`: a call for blocks, counted in `round_trips` and `unavailable`
-        (`stats` asking sizes is not).
-
-        An error the server answers to one command stays in place in `replies` (an instance
-        of redis-py's `ResponseError`): the stream is in step and the server is there, so the
-        caller decides what it means for that key. `parse` raises `_BadReply` for a reply no
-        Redis server gives to the command.
-
-        Any other failure fails the whole call: counted in `io_errors`, logged per class,
-        and it opens the breaker. That covers the connection's failures (refused, reset,
-        timed out) and the reply's: bytes redis-py's parser cannot read (its `InvalidResponse`,
-        a `ValueError` of a non-numeric integer, a `RecursionError` of absurdly nested
-        arrays...) and replies `parse` refuses. A server that answers garbage once is not to be
-        trusted with the next call either (a wrong service on the port, a broken proxy): it
-        is treated as down, and the probe after `retry_after_s` finds out whether it recovered.
-        The connection of a failed call is closed before it goes back to the pool: the rest
-        of a garbled or cut reply may still arrive on it, and the next call must not read it
-        as its own answer.
-
-        Exceptions that are not the server's doing (`KeyboardInterrupt`, `MemoryError`)
-        propagate, after the same cleanup.
-        """
-        if not self._admit(counted):
-            return None
-        if counted:
-            self._count("round_trips")
-        conn, in_step = None, False
-        try:
-            conn = self._take()
-            conn.send_packed_command(conn.pack_commands(commands))
-            replies = [self._read(conn) for _ in commands]
-            result = parse(replies)
-            in_step = True
-        except BaseException as err:
-            if not _server_fault(err):
-                with self._breaker:  # not the server's doing: let the next call probe
-                    self._probing = False
-                raise
-            kind = "server call" if isinstance(err, self._connection_errors) else "server reply"
-            self._count("io_errors")
-            self._failures.note(kind, err)  # logged as the other stores' failures
-            self._settle(False)
-            return None
-        finally:
-            if conn is not None:
-                if not in_step:
-                    with contextlib.suppress(Exception):
-                        conn.disconnect()
-                self._pool.release(conn)
-        self._settle(True)
-        return result
-
-    def _read(self, conn):
-        """One reply; an error reply is returned in place (redis-py raises it once read)."""
-        try:
-            return conn.read_response()
-        except self._error_reply as err:
-            return err
-
-    def _each(self, check: Callable) -> Callable[[list], list]:
-        """A `parse` applying `check` to every reply that is not an error reply."""
-        error_reply = self._error_reply
-        return lambda replies: [r if isinstance(r, error_reply) else check(r) for r in replies]
+    def _send(self, commands: list[tuple], check: Callable) -> list:
+        """Per command, its reply passed through `check`, an error reply in place, or
+        `UNANSWERED` (see `_redis_cluster`): one round trip per server."""
+        return self._route.each(commands, check)
 
     def _failed_command(self, err: Exception) -> None:
         """An error the server answered to a command: the command failed, the server is up."""
@@ -355,11 +344,10 @@ class RedisStore(BatchStore):
             return
         names = [name for name, _ in damaged]
         self._count("verification_failures", len(names))
-        replies = self._call(
-            [("DEL", *names)], self._each(lambda r: _count_reply(r, at_most=len(names)))
-        )
-        if replies is not None and isinstance(replies[0], self._error_reply):
-            self._failed_command(replies[0])
+        replies = self._send([("DEL", n) for n in names], lambda r: _count_reply(r, at_most=1))
+        failure = next((r for r in replies if isinstance(r, self._error_reply)), None)
+        if failure is not None:
+            self._failed_command(failure)
         for name, why in damaged:
             self._dropped([name[len(self.key_prefix) :]], "damaged", why)
 
@@ -368,8 +356,8 @@ class RedisStore(BatchStore):
     def _name(self, key: str) -> str:
         return self.key_prefix + key
 
-    # Each batch is one round trip. `strict` is checked and otherwise unused: the server's
-    # failures are answered as misses and dropped writes (see the class), never listed.
+    # Each batch is one round trip per server. `strict` is checked and otherwise unused: the
+    # servers' failures are answered as misses and dropped writes (see the class), never listed.
 
     def contains_many(
         self, keys: Sequence[str], *, stop_at_miss: bool = False, strict: bool | None = None
@@ -382,20 +370,16 @@ class RedisStore(BatchStore):
         return StoreResult(self._contains(keys, bool_arg("stop_at_miss", stop_at_miss)))
 
     def _contains(self, keys: Sequence[str], stop_at_miss: bool) -> list[bool]:
-        if not keys:
-            return []
         names = [self._name(k) for k in keys]
-        lengths = self._call([("STRLEN", n) for n in names], self._each(_count_reply))
+        lengths = self._send([("STRLEN", n) for n in names], _count_reply)
         held = [False] * len(keys)
-        if lengths is None:
-            return held
         damaged, failure = [], None
         for i, (name, length) in enumerate(zip(names, lengths)):
             if self._is_wrong_type(length):
                 damaged.append((name, "holds another type than a string"))
             elif isinstance(length, self._error_reply):
                 failure = failure or length
-            else:
+            elif length is not UNANSWERED:
                 held[i] = length > 0
             if stop_at_miss and not held[i]:
                 break  # the rest was not asked for
@@ -411,27 +395,22 @@ class RedisStore(BatchStore):
         return StoreResult(self._get(keys, bool_arg("stop_at_miss", stop_at_miss)))
 
     def _get(self, keys: Sequence[str], stop_at_miss: bool) -> list[BlockRecord | None]:
-        if not keys:
-            return []
         names = [self._name(k) for k in keys]
         # Per-key GETs, not one MGET: MGET answers nil for a key of another type, which would
         # read as absent while STRLEN, SET NX and the server's memory say otherwise.
-        values = self._call([("GET", n) for n in names], self._each(_value_reply))
+        values = self._send([("GET", n) for n in names], _value_reply)
         records: list[BlockRecord | None] = [None] * len(keys)
-        if values is None:
-            self._count("misses", 1 if stop_at_miss else len(keys))
-            return records
         damaged, failure = [], None
         for i, (key, name, value) in enumerate(zip(keys, names, values)):
             if self._is_wrong_type(value):
                 damaged.append((name, "holds another type than a string"))
             elif isinstance(value, self._error_reply):
                 failure = failure or value
-            elif value is not None:
+            elif value is not None and value is not UNANSWERED:
                 try:
                     records[i] = _records.decode(value, key)
                 except Exception as err:  # any bytes may come: none that fail are served
-                    if not _server_fault(err):
+                    if not server_fault(err):
                         raise
                     damaged.append((name, f"failed verification ({err})"))
             record = records[i]
@@ -455,27 +434,22 @@ class RedisStore(BatchStore):
         return StoreResult(self._put(records))
 
     def _put(self, records: Sequence[BlockRecord]) -> list[bool]:
-        if not records:
-            return []
         commands = [("SET", self._name(r.key), _records.encode(r), "NX") for r in records]
-        replies = self._call(commands, self._each(_set_reply))
-        if replies is None:
-            self._count("dropped", len(records))
-            return [False] * len(records)
+        replies = self._send(commands, _set_reply)
         stored, failure = [], None
         for record, reply in zip(records, replies):
-            if isinstance(reply, self._error_reply):
-                if isinstance(reply, self._oom) or str(reply).startswith("OOM"):
-                    self._count("rejected")  # full under `maxmemory` with noeviction
-                else:
-                    failure = failure or reply  # e.g. a read-only replica
-                self._count("dropped")
-                stored.append(False)
+            if isinstance(reply, bool):
+                if reply:
+                    self._count("blocks_stored")
+                    self._count("bytes_stored", record.nbytes)
+                stored.append(reply)
                 continue
-            if reply:
-                self._count("blocks_stored")
-                self._count("bytes_stored", record.nbytes)
-            stored.append(reply)
+            if isinstance(reply, self._oom) or str(reply).startswith("OOM"):
+                self._count("rejected")  # full under `maxmemory` with noeviction
+            elif reply is not UNANSWERED:
+                failure = failure or reply  # an error reply, e.g. of a read-only replica
+            self._count("dropped")
+            stored.append(False)
         if failure is not None:
             self._failed_command(failure)
         return stored
@@ -486,20 +460,15 @@ class RedisStore(BatchStore):
         """Deletes the value under each key (see `BlockStore.discard`); `False` where there
         was none or the server failed (counted in `io_errors`, never raised)."""
         self._strictness(strict)
-        if not keys:
-            return StoreResult([])
-        replies = self._call(
-            [("DEL", self._name(k)) for k in keys],
-            self._each(lambda r: _count_reply(r, at_most=1)),
+        replies = self._send(
+            [("DEL", self._name(k)) for k in keys], lambda r: _count_reply(r, at_most=1)
         )
         removed = [False] * len(keys)
-        if replies is None:
-            return StoreResult(removed)
         failure = None
         for i, reply in enumerate(replies):
             if isinstance(reply, self._error_reply):
                 failure = failure or reply
-            elif reply:
+            elif reply is not UNANSWERED and reply:
                 removed[i] = True
         if failure is not None:
             self._failed_command(failure)
@@ -511,6 +480,7 @@ class RedisStore(BatchStore):
     # ---- size ------------------------------------------------------------------------------
 
     def _server_size(self) -> tuple[int, int]:
+        """Keys and `used_memory`, summed over the servers that answer."""
         error_reply = self._error_reply
 
         def parse(replies):
@@ -520,28 +490,32 @@ class RedisStore(BatchStore):
                 info if isinstance(info, error_reply) else _info_reply(info),
             ]
 
-        replies = self._call([("DBSIZE",), ("INFO", "memory")], parse, counted=False)
-        if replies is None:
-            return 0, 0
-        keys, info = replies
-        for reply in replies:
-            if isinstance(reply, error_reply):
-                self._failed_command(reply)
-                return 0, 0
-        used = _used_memory(info)
-        if used is None:  # a server (or proxy) that does not report it: a failed command
-            self._failed_command(_BadReply("INFO memory: expected a used_memory line"))
-            return 0, 0
-        return keys, used
+        total_keys = total_used = 0
+        for link in self._route.masters():
+            replies = link.call([("DBSIZE",), ("INFO", "memory")], parse, counted=False)
+            if replies is None:
+                continue
+            failure = next((r for r in replies if isinstance(r, error_reply)), None)
+            if failure is not None:
+                self._failed_command(failure)
+                continue
+            keys, info = replies
+            used = _used_memory(info)
+            if used is None:  # a server (or proxy) that does not report it: a failed command
+                self._failed_command(BadReply("INFO memory: expected a used_memory line"))
+                continue
+            total_keys, total_used = total_keys + keys, total_used + used
+        return total_keys, total_used
 
     def __len__(self) -> int:
-        """Keys in the server's database (all of them: give the cache a database of its own),
-        0 while it is unreachable."""
+        """Keys in the server's database (all of them: give the cache a database of its own;
+        in a cluster, the masters' keys), 0 while it is unreachable."""
         return self._server_size()[0]
 
     @property
     def nbytes(self) -> int:
-        """Memory the server uses now (`used_memory`), 0 while it is unreachable."""
+        """Memory the server uses now (`used_memory`; in a cluster, the masters' sum), 0 while
+        it is unreachable."""
         return self._server_size()[1]
 
     def stats(self) -> dict[str, int]:
@@ -550,17 +524,5 @@ class RedisStore(BatchStore):
             return {**self._counters, "blocks": blocks, "bytes": nbytes}
 
     def close(self) -> None:
-        """Closes the connections to the server."""
-        self._client.close()
-
-
-def _connection_taker(pool) -> Callable:
-    """`pool.get_connection` as a function of no arguments: redis-py before 5.3 requires a
-    command name (any one), later versions deprecate passing it."""
-    try:
-        param = inspect.signature(pool.get_connection).parameters.get("command_name")
-    except (TypeError, ValueError):
-        param = None
-    if param is not None and param.default is inspect.Parameter.empty:
-        return lambda: pool.get_connection("GET")
-    return pool.get_connection
+        """Closes the connections to the servers."""
+        self._route.close()
