@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 
+from jaxkv.connector.transfer import CompileCache
 from jaxkv.models.decoder import Decoder
 
 __all__ = ["CompiledSteps", "bucket", "steps_for"]
@@ -74,14 +75,14 @@ class CompiledSteps:
         return [(key[2], key[3]) for key in self._compiled]
 
 
-_STEPS: dict = {}
+# The steps of the configs used most recently, shared by every engine of the process (a bounded
+# cache: a test run or a sweep meets many configs).
+_STEPS = CompileCache(max_entries=16)
 
 
 def steps_for(model: Decoder) -> CompiledSteps:
     """The process-wide `CompiledSteps` of models with `model`'s config (engines share it)."""
-    if model.cfg not in _STEPS:
-        _STEPS[model.cfg] = CompiledSteps(model)
-    return _STEPS[model.cfg]
+    return _STEPS.get(model.cfg, lambda: CompiledSteps(model))
 
 
 def _batch_bucket(n: int, max_batch: int) -> int:
