@@ -8,11 +8,16 @@ would let one slot hold two prefixes, and the allocator hand it out twice.
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import numpy as np
 
-__all__ = ["PageLedger"]
+__all__ = ["PageLedger", "Pages"]
 
 _INT64_MAX = np.iinfo(np.int64).max
+
+# Pages of the ledger: an array of them, or a slice of consecutive ones (a run of slots).
+Pages: TypeAlias = np.ndarray | slice
 
 
 class PageLedger:
@@ -37,7 +42,7 @@ class PageLedger:
         page = self.page_size
         return slots[::page] // page if page > 1 else slots
 
-    def hold(self, pages: np.ndarray) -> None:
+    def hold(self, pages: Pages) -> None:
         """Marks `pages` held by the tree (checked by `new_pages` first, or the tree's own)."""
         self._held[pages] = True
 
@@ -45,9 +50,9 @@ class PageLedger:
         """Marks `pages` no longer held (their slots go back to the allocator)."""
         self._held[pages] = False
 
-    def new_pages(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`slots` as int64 and their pages, refused unless they are whole allocator pages,
-        distinct and not held.
+    def new_pages(self, slots: np.ndarray) -> tuple[np.ndarray, Pages]:
+        """`slots` as int64 and their pages (for `hold`), refused unless they are whole
+        allocator pages, distinct and not held.
 
         Two shapes, as allocators hand pages out, are checked in a few vectorised steps: one
         run of consecutive slots from a page's first, and whole pages in ascending order.
@@ -73,7 +78,7 @@ class PageLedger:
                 and high <= self.num_pages + 1
                 and not np.count_nonzero(self._held[low:high])
             ):
-                return slots, np.arange(low, high)
+                return slots, slice(low, high)
         elif page == 1:
             pages = slots
             if not np.count_nonzero(pages[1:] <= pages[:-1]) and self._free_pages(pages):

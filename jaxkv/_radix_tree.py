@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxkv._checks import int_arg, int_vector, text_arg, token_array
-from jaxkv._page_ledger import PageLedger
+from jaxkv._page_ledger import PageLedger, Pages
 from jaxkv.allocators import PagedAllocator, TokenAllocator
 
 __all__ = ["InsertPlan", "Node", "PrefixMatch", "RadixTree"]
@@ -128,7 +128,7 @@ class InsertPlan(NamedTuple):
     cut: int
     matched: int  # leading tokens cached already
     new: np.ndarray  # the slots of the tokens after them, int64
-    pages: np.ndarray  # and their pages
+    pages: Pages  # and their pages
 
 
 class RadixTree:
