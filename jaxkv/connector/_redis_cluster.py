@@ -52,7 +52,7 @@ class Unanswered:
 UNANSWERED = Unanswered()
 
 
-def describe(reply) -> str:
+def describe_reply(reply) -> str:
     """What a reply is, for a log line: its type and size, never its bytes."""
     if isinstance(reply, (bytes, bytearray, str)):
         return f"{type(reply).__name__} of length {len(reply)}"
@@ -250,21 +250,25 @@ def slot_map(reply, asked: Address) -> list[Address | None]:
     named); `asked` stands for a master named by an empty host (the node asked). Raises
     `BadReply` for a reply of another shape."""
     if not isinstance(reply, list):
-        raise BadReply(f"CLUSTER SLOTS: expected an array, got {describe(reply)}")
+        raise BadReply(f"CLUSTER SLOTS: expected an array, got {describe_reply(reply)}")
     owners: list[Address | None] = [None] * SLOTS
     for entry in reply:
         if not isinstance(entry, list) or len(entry) < 3:
             raise BadReply(
-                f"CLUSTER SLOTS: expected [start, end, master...], got {describe(entry)}"
+                f"CLUSTER SLOTS: expected [start, end, master...], got {describe_reply(entry)}"
             )
         start, end, master = entry[:3]
         if not (_is_int(start) and _is_int(end) and 0 <= start <= end < SLOTS):
             raise BadReply(f"CLUSTER SLOTS: expected a slot range, got {start!r:.40}..{end!r:.40}")
         if not isinstance(master, list) or len(master) < 2:
-            raise BadReply(f"CLUSTER SLOTS: expected [host, port, ...], got {describe(master)}")
+            raise BadReply(
+                f"CLUSTER SLOTS: expected [host, port, ...], got {describe_reply(master)}"
+            )
         host, port = master[:2]
         if not isinstance(host, bytes) or not _is_int(port) or not 0 < port < 65536:
-            raise BadReply(f"CLUSTER SLOTS: expected a host and a port, got {describe(master)}")
+            raise BadReply(
+                f"CLUSTER SLOTS: expected a host and a port, got {describe_reply(master)}"
+            )
         if host == b"?":  # Redis knows no endpoint for it: its slots stay unanswered
             continue
         owner = (host.decode("utf-8", "replace") or asked[0], port) if host else asked

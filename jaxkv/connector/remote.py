@@ -54,7 +54,7 @@ from jaxkv.connector._redis_cluster import (
     Cluster,
     Link,
     Server,
-    describe,
+    describe_reply,
     parse_url,
     server_fault,
 )
@@ -99,14 +99,14 @@ def _count_reply(reply, at_most: int | None = None) -> int:
     ):
         return reply
     bound = "" if at_most is None else f" and <= {at_most}"
-    raise BadReply(f"expected an integer >= 0{bound}, got {describe(reply)}")
+    raise BadReply(f"expected an integer >= 0{bound}, got {describe_reply(reply)}")
 
 
 def _value_reply(reply) -> bytes | None:
     """The reply of `GET`: the value's bytes, or `None` for an absent key."""
     if reply is None or isinstance(reply, bytes):
         return reply
-    raise BadReply(f"GET: expected a bulk string or nil, got {describe(reply)}")
+    raise BadReply(f"GET: expected a bulk string or nil, got {describe_reply(reply)}")
 
 
 def _set_reply(reply) -> bool:
@@ -116,13 +116,13 @@ def _set_reply(reply) -> bool:
         return False
     if reply == b"OK":
         return True
-    raise BadReply(f"SET NX: expected OK or nil, got {describe(reply)}")
+    raise BadReply(f"SET NX: expected OK or nil, got {describe_reply(reply)}")
 
 
 def _info_reply(reply) -> bytes:
     if isinstance(reply, bytes):
         return reply
-    raise BadReply(f"INFO: expected a bulk string, got {describe(reply)}")
+    raise BadReply(f"INFO: expected a bulk string, got {describe_reply(reply)}")
 
 
 def _used_memory(info: bytes) -> int | None:
