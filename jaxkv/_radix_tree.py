@@ -16,8 +16,10 @@ wait in a heap whose entries are checked when popped (a node re-stamped, locked,
 or gone is skipped), so no call scans the tree.
 
 This tier knows nothing of stores: `jaxkv.RadixCache` extends it with the connector's tier,
-through the steps below (`_walk`, `_found`, `_plan_insert`, `_commit_insert`, `_detach_lru`,
-`_release`, `_reattach`), as SGLang's `HiRadixCache` extends its `RadixCache`.
+as SGLang's `HiRadixCache` extends its `RadixCache`, through its steps: walk a prompt without
+changing anything (`_walk`), commit a match (`_found`) or an insert (`_plan_insert`, then
+`_commit_insert`), take the least recently used leaves out (`_detach_lru`), then free their
+slots (`_release`) or put them back (`_reattach`).
 """
 
 from __future__ import annotations

@@ -137,10 +137,11 @@ class RadixCache(RadixTree):
             )
         if connector is not None:
             if not isinstance(connector, StoreConnector):
+                faults = ", ".join(_connector_faults(connector)) or "that is not one"
                 raise TypeError(
                     "connector: expected a jaxkv.connector.KVConnector (or a StoreConnector: "
-                    "block_size, lookup, store and load), got "
-                    f"{type(connector).__name__} {', '.join(_connector_faults(connector))}"
+                    f"block_size, lookup, store and load), got {type(connector).__name__} "
+                    f"{faults}"
                 )
             bs = connector.block_size
             if not is_int(bs) or bs <= 0 or bs % self.page_size:
