@@ -68,11 +68,11 @@ class PageLedger:
             return slots, slots
         page = self.page_size
         # count_nonzero rather than any/all: the same answer for a fraction of the overhead.
-        start = int(slots[0])
-        run = (slots - start).tobytes()
-        if start % page == 0 and self._pattern(run, 0).startswith(run):
+        start, n = int(slots[0]), slots.size
+        # A run's ends say so first (two reads), before its slots are compared.
+        if start % page == 0 and int(slots[-1]) == start + n - 1 and self._is_run(slots, start):
             low = start // page
-            high = low + slots.size // page
+            high = low + n // page
             if (
                 1 <= low
                 and high <= self.num_pages + 1
@@ -95,6 +95,11 @@ class PageLedger:
                 return slots, pages
         self._diagnose(slots)
         return slots, self.pages(slots)  # valid pages, in another order
+
+    def _is_run(self, slots: np.ndarray, start: int) -> bool:
+        """Whether `slots` are `start, start + 1, ...` (compared as bytes with a kept ramp)."""
+        run = (slots - start).tobytes()
+        return self._pattern(run, 0).startswith(run)
 
     def _free_pages(self, pages: np.ndarray) -> bool:
         """Whether ascending `pages` are the allocator's and none is held."""

@@ -247,7 +247,7 @@ def test_where_jaxkv_differs():
 
 @pytest.mark.usefixtures("clock")
 def test_the_bench_streams_answer_alike():
-    """The bench's seven stream shapes (`jaxkv.bench._radix.STREAMS`) at toy sizes, both page
+    """The bench's stream shapes (`jaxkv.bench._radix.STREAMS`) at toy sizes, both page
     sizes: every matched length, insert return and eviction of the two trees must agree (the
     section raises otherwise), so each row carries a ratio."""
     from jaxkv.bench import TINY, Setting, _radix

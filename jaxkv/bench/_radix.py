@@ -14,6 +14,9 @@ The streams (`STREAMS`), each at page sizes 1 and 16, span the shapes a server s
 - `anywhere`: as `whole`, but each request shares a length of its own, so matches end inside
   edges and split them, and chains of nodes grow along each system prompt.
 - `short`: 32- to 128-token prompts over 8 system prompts, an 8K-token tree: per-call costs.
+- `small`: 1K-token prompts sharing anywhere, a 4K-token tree: a few leaves, so SGLang's
+  eviction (a heap of every evictable leaf, built per call) is at its cheapest, and the
+  allocator's free, which both trees call, weighs most.
 - `1M`: 8K-token prompts sharing anywhere, 1M tokens cached: long edges, many leaves.
 - `evict-heavy`: 128- to 1K-token prompts that share nothing, 100K cached: every request
   evicts about its own length.
@@ -90,6 +93,7 @@ STREAMS = {
     "whole": Stream(100 << 10, (1 << 10, 1 << 10), "whole"),
     "anywhere": Stream(100 << 10, (1 << 10, 1 << 10)),
     "short": Stream(8 << 10, (32, 128), systems=8),
+    "small": Stream(4 << 10, (1 << 10, 1 << 10)),
     "1M": Stream(1 << 20, (8 << 10, 8 << 10)),
     "evict-heavy": Stream(100 << 10, (128, 1 << 10), "none"),
     "lock-heavy": Stream(100 << 10, (1 << 10, 1 << 10), in_flight=64, relocks=4),

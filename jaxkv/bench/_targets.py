@@ -122,7 +122,7 @@ TARGETS: dict[str, Target] = {
     "radix.sglang": Target(
         2.0,
         2.0,
-        "The same match, lock, insert, unlock and evict calls on the same streams, seven "
+        "The same match, lock, insert, unlock and evict calls on the same streams, eight "
         "shapes from an 8K-token tree of short prompts to a 1M-token tree of 8K-token ones "
         "(jaxkv/bench/_radix.py's STREAMS; the same sizes in both runs, --quick runs fewer "
         "rounds): SGLang's tree compares and slices token arrays in Python per node and scans "
