@@ -48,6 +48,16 @@ class StoreResult(Generic[T]):
         return self.values
 
 
+def batch_result(answer):
+    """A batch's answer as a `StoreResult`: a store whose batch returns a plain list or tuple
+    (one answer per key or record, as batches returned before they reported failures) answered
+    those values and reported no failure. Anything else is returned as it is, for the caller
+    to check."""
+    if isinstance(answer, (list, tuple)):
+        return StoreResult(list(answer))
+    return answer
+
+
 class _Stop(Exception):
     """Ends a strict call at its first failure. Raised by `BlockStore._failed` and caught by
     the `Call` the failure belongs to (the failure itself is in `Call.errors`): it never
@@ -82,6 +92,7 @@ class Call:
     def absorb(self, result: StoreResult[T]) -> T:
         """The values of a call this one made (a tier's), whose failures become this call's:
         a strict call stops at them."""
+        result = batch_result(result)
         self.errors += result.errors
         if self.strict and result.errors:
             raise _Stop

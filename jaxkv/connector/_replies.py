@@ -11,7 +11,7 @@ import numpy as np
 from jaxkv._checks import is_int
 from jaxkv.connector import _hashing
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import StoreResult
+from jaxkv.connector.stores import StoreResult, batch_result
 from jaxkv.errors import StoreReplyError
 
 
@@ -55,7 +55,9 @@ def is_record_or_none(value) -> bool:
 
 def store_result(answer) -> StoreResult:
     """`answer` when it is a `StoreResult` whose `errors` is a tuple of `OSError`s (what the
-    batches return); else `StoreReplyError` saying what came instead."""
+    batches return), or a plain list or tuple of answers (`batch_result`: no failures
+    reported); else `StoreReplyError` saying what came instead."""
+    answer = batch_result(answer)
     if not isinstance(answer, StoreResult):
         raise StoreReplyError(f"expected a StoreResult, got {type(answer).__name__}")
     errors = answer.errors

@@ -12,7 +12,14 @@ from typing import Any, TypeVar
 
 from jaxkv._checks import bool_arg
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector.stores import BatchStore, BlockStore, Call, StoreResult, upkeep
+from jaxkv.connector.stores import (
+    BatchStore,
+    BlockStore,
+    Call,
+    StoreResult,
+    batch_result,
+    upkeep,
+)
 
 T = TypeVar("T")
 
@@ -223,7 +230,7 @@ class TieredStore(BatchStore):
         except OSError as err:
             self._failed("promotion", err, upkeep())
             return 0
-        return sum(result.values)  # what landed, also before a strict write stopped
+        return sum(batch_result(result).values)  # what landed, also before a strict stop
 
     # ---- writes ----------------------------------------------------------------------------
 

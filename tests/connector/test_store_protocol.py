@@ -240,7 +240,7 @@ class MalformedResults(HostStore):
 
 
 @pytest.mark.parametrize(
-    "result", [[None], StoreResult([None], ("not an error",)), StoreResult([None], [OSError()])]
+    "result", [None, StoreResult([None], ("not an error",)), StoreResult([None], [OSError()])]
 )
 def test_a_malformed_result_is_a_store_failure(result):
     pool = random_mha_pool()
@@ -252,3 +252,30 @@ def test_a_malformed_result_is_a_store_failure(result):
     strict.store(pool, TOKENS[:BS], SLOTS[:BS])
     with pytest.raises(StoreReplyError, match="StoreResult"):
         strict.load(pool, TOKENS[:BS], SLOTS[:BS] + 20)
+
+
+class PlainBatches(HostStore):
+    """A store whose batches answer plain lists, as batches did before they reported their
+    failures: its answers are the values, with no failure reported."""
+
+    def contains_many(self, keys, *, stop_at_miss=False, strict=None):
+        return super().contains_many(keys, stop_at_miss=stop_at_miss, strict=strict).values
+
+    def get_many(self, keys, *, stop_at_miss=False, strict=None):
+        return tuple(super().get_many(keys, stop_at_miss=stop_at_miss, strict=strict).values)
+
+    def put_many(self, records, *, strict=None):
+        return super().put_many(records, strict=strict).values
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_batches_answering_plain_lists_serve_the_connector(stacked):
+    pool = random_mha_pool()
+    store = PlainBatches(1 << 20, preallocate_bytes=0)
+    backend = TieredStore(HostStore(1 << 20, preallocate_bytes=0), store) if stacked else store
+    conn = KVConnector(pool, backend, block_size=BS, strict=True)
+    assert conn.store(pool, TOKENS, SLOTS) == 3
+    assert conn.lookup(TOKENS) == 3 * BS
+    new, n = conn.load(pool, TOKENS, SLOTS + 20)
+    assert n == 3 * BS
+    assert conn.stats()["io_errors"] == 0

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxkv.connector import BlockRecord, BlockStore, HostStore, StoreResult
-from jaxkv.connector.stores import FailureLog
+from jaxkv.connector.stores import FailureLog, batch_result
 
 log = logging.getLogger("jaxkv")
 
@@ -122,12 +122,12 @@ class KnownKeys(BlockStore):
         answers: list[bool] = []
         held: list[bool] = []
         try:
-            asked = self.store.contains_many(keys, strict=strict)
+            asked = batch_result(self.store.contains_many(keys, strict=strict))
             if strict and asked.errors:
                 return StoreResult([False] * len(keys), asked.errors)
             held = asked.values
             new = [r for r, h in zip(records, held) if not h]
-            wrote = self.store.put_many(new, strict=strict) if new else StoreResult([])
+            wrote = batch_result(self.store.put_many(new, strict=strict) if new else [])
             written = iter(wrote.values)
             answers = [False if h else bool(next(written)) for h in held]
         finally:
@@ -325,7 +325,9 @@ class ReadAhead(BlockStore):
                 for i in range(0, len(keys), _BATCH):
                     batch = keys[i : i + _BATCH]
                     found = []
-                    for record in self.store.get_many(batch, stop_at_miss=True).values:
+                    for record in batch_result(
+                        self.store.get_many(batch, stop_at_miss=True)
+                    ).values:
                         if record is None:
                             break
                         found.append(record)
