@@ -28,14 +28,14 @@ class PageLedger:
         num_pages: the allocator's pages.
     """
 
-    __slots__ = ("page_size", "num_pages", "_held", "_in_page", "_patterns")
+    __slots__ = ("page_size", "num_pages", "_held", "_in_page", "_ramp")
 
     def __init__(self, page_size: int, num_pages: int):
         self.page_size = page_size
         self.num_pages = num_pages
         self._held = np.zeros(num_pages + 1, bool)
         self._in_page = np.arange(page_size, dtype=np.int64)  # a page's slot offsets
-        self._patterns: dict[int, bytes] = {}  # see `_pattern`
+        self._ramp = b""  # see `_is_run`
 
     def pages(self, slots: np.ndarray) -> np.ndarray:
         """The page of each whole page of `slots` (their first slots, divided)."""
@@ -79,27 +79,25 @@ class PageLedger:
                 and not np.count_nonzero(self._held[low:high])
             ):
                 return slots, slice(low, high)
-        elif page == 1:
-            pages = slots
-            if not np.count_nonzero(pages[1:] <= pages[:-1]) and self._free_pages(pages):
-                return slots, pages
-        else:
-            pages = slots[::page] // page
-            # A page's slots are page * page_size + 0 .. page_size - 1, in order.
-            offsets = (slots.reshape(-1, page) - (pages * page)[:, None]).tobytes()
+        elif not np.count_nonzero(slots[1:] <= slots[:-1]):  # ascending: distinct pages
+            # Each page's `page_size` ascending slots lie between its first slot and the
+            # page's last, so they are the page's slots exactly when the last one is that.
+            pages = slots[::page] // page if page > 1 else slots
             if (
-                self._pattern(offsets, page).startswith(offsets)
-                and not np.count_nonzero(pages[1:] <= pages[:-1])  # ascending: distinct
-                and self._free_pages(pages)
-            ):
+                page == 1
+                or (pages * page + (page - 1)).tobytes() == slots[page - 1 :: page].tobytes()
+            ) and self._free_pages(pages):
                 return slots, pages
         self._diagnose(slots)
         return slots, self.pages(slots)  # valid pages, in another order
 
     def _is_run(self, slots: np.ndarray, start: int) -> bool:
-        """Whether `slots` are `start, start + 1, ...` (compared as bytes with a kept ramp)."""
+        """Whether `slots` are `start, start + 1, ...` (compared as bytes with a kept ramp
+        0, 1, 2, ... of int64s, grown by doubling to the longest run so far)."""
         run = (slots - start).tobytes()
-        return self._pattern(run, 0).startswith(run)
+        if len(self._ramp) < len(run):
+            self._ramp = np.arange(max(2 * len(self._ramp), len(run)) // 8).tobytes()
+        return self._ramp.startswith(run)
 
     def _free_pages(self, pages: np.ndarray) -> bool:
         """Whether ascending `pages` are the allocator's and none is held."""
@@ -108,17 +106,6 @@ class PageLedger:
             and pages[-1] <= self.num_pages
             and not np.count_nonzero(self._held[pages])
         )
-
-    def _pattern(self, like: bytes, period: int) -> bytes:
-        """At least `len(like)` bytes of int64s 0, 1, 2, ... (`period` 0) or of 0 ..
-        `period - 1` repeated, kept and grown by doubling."""
-        kept = self._patterns.get(period, b"")
-        if len(kept) < len(like):
-            n = max(2 * len(kept), len(like)) // 8
-            ramp = np.arange(n, dtype=np.int64)
-            kept = (ramp % period if period else ramp).tobytes()
-            self._patterns[period] = kept
-        return kept
 
     def _diagnose(self, slots: np.ndarray) -> None:
         """`new_pages`' check in full: raises naming the first fault, or returns when the
