@@ -26,13 +26,22 @@ did not answer, is removed, so the next store of the block writes it again.
 
 from __future__ import annotations
 
+import concurrent.futures
+import operator
 import threading
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import TypeVar, cast
 
 from jaxkv._checks import bool_arg, int_arg, text_arg
 from jaxkv.connector import _records
-from jaxkv.connector._mooncake_buffers import Arena, Layout, encoded_size, header, write
+from jaxkv.connector._mooncake_buffers import (
+    Arena,
+    Layout,
+    encoded_size,
+    header,
+    round_up,
+    write,
+)
 from jaxkv.connector._mooncake_client import (
     INSTALL,
     INVALID_PARAMS,
@@ -51,6 +60,8 @@ from jaxkv.connector._records import BlockRecord
 from jaxkv.connector._redis_cluster import server_fault
 from jaxkv.connector.remote import Breaker, seconds_arg
 from jaxkv.connector.stores import BatchStore, StoreResult
+
+T = TypeVar("T")
 
 # Counters this store adds to `BlockStore`'s (as `RedisStore`'s).
 _COUNTERS = ("round_trips", "dropped", "unavailable", "breaker_trips")
@@ -158,6 +169,7 @@ class MooncakeStore(BatchStore):
         # knows its size.
         self._record_bytes = 0
         self._size_lock = threading.Lock()
+        self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-crc")
         arena = Arena(self.buffer_bytes)
 
         def connect():
@@ -253,26 +265,19 @@ class MooncakeStore(BatchStore):
 
     def _read(self, keys: Sequence[str], records: list[BlockRecord | None]) -> None:
         """Reads the records of `keys` into `records`: each object gets the room of the
-        largest record met so far (its size asked first when none was), in calls of at most
-        `buffer_bytes`; objects that did not fit are read again once their size is known."""
+        largest record met so far (its size asked first when none was); objects that did not
+        fit are read again once their size is known."""
         names = [self._name(k) for k in keys]
         room = self._record_bytes or self._first_size(names)
         if room is None:
             return
-        todo = list(range(len(keys)))
-        larger: list[int] = []
         damaged: list[tuple[int, str]] = []
-        per_call = max(1, self.buffer_bytes // Layout([room]).nbytes)
-        for start in range(0, len(todo), per_call):
-            batch = todo[start : start + per_call]
-            larger += self._read_into(batch, [room] * len(batch), keys, names, records, damaged)
+        larger = self._read_calls(range(len(keys)), lambda i: room, names, keys, records, damaged)
         if larger:
-            sizes = self._link.call(
-                "size", lambda client: [client.get_size(names[i]) for i in larger]
-            )
-            fits = [(i, s) for i, s in zip(larger, sizes or []) if s > 0]
-            for i, size in fits:
-                self._read_into([i], [size], keys, names, records, damaged)
+            asked = [names[i] for i in larger]
+            sizes = self._link.call("size", lambda client: [client.get_size(n) for n in asked])
+            sized = {i: size for i, size in zip(larger, sizes or []) if size > 0}
+            self._read_calls(list(sized), sized.__getitem__, names, keys, records, damaged)
         self._remove_damaged([(keys[i], why) for i, why in damaged])
 
     def _first_size(self, names: list[str]) -> int | None:
@@ -293,41 +298,79 @@ class MooncakeStore(BatchStore):
         self._size_hint(found[0])
         return found[0]
 
-    def _read_into(self, batch, rooms, keys, names, records, damaged) -> list[int]:
-        """One `batch_get_into` of the keys at `batch`, each into `rooms[j]` bytes; decodes
-        what came. Returns the indices whose objects were larger than their room."""
-        layout = Layout(rooms)
-        region = self._link.arena.take(layout.nbytes)
-        view = region.base.data.toreadonly()  # held: the region is not reused under us
-        ptrs = [region.address + off for off in layout.offsets]
-        got = self._link.call(
-            "read",
-            lambda client: client.batch_get_into([names[i] for i in batch], ptrs, rooms),
-            [region],
-        )
-        if got is None:
-            return []
+    def _calls(self, todo: Sequence[int], size_of: Callable[[int], int]) -> list[list[int]]:
+        """`todo` cut into the batches of one client call each: at most `buffer_bytes` (a
+        record larger than that alone). One call per batch: here, cutting a 32 MiB batch into
+        calls that overlap its checksums with the transfer was slower (each call has a fixed
+        cost, and the checksums and the transfer share the cores)."""
+        calls: list[list[int]] = []
+        used = self.buffer_bytes
+        for i in todo:
+            size = round_up(size_of(i))
+            if used + size > self.buffer_bytes:
+                calls.append([])
+                used = 0
+            calls[-1].append(i)
+            used += size
+        return calls
+
+    def _read_calls(self, todo, room_of, names, keys, records, damaged) -> list[int]:
+        """Reads the keys at `todo`, each into `room_of(i)` bytes, and verifies them. Returns
+        the indices whose objects were larger than their room."""
+        larger: list[int] = []
+        for batch in self._calls(todo, room_of):
+            rooms = [room_of(i) for i in batch]
+            layout = Layout(rooms)
+            region = self._link.arena.take(layout.nbytes)
+            view = region.base.data.toreadonly()  # held: the region is not reused under us
+            ptrs = [region.address + off for off in layout.offsets]
+            asked = [names[i] for i in batch]
+            read = operator.methodcaller("batch_get_into", asked, ptrs, rooms)  # bound now
+            got = self._link.call("read", read, [region])
+            if got is not None:
+                larger += self._verify(batch, layout, view, got, keys, records, damaged)
+        return larger
+
+    def _verify(self, batch, layout, view, got, keys, records, damaged) -> list[int]:
+        """Decodes what one read call brought into `view` (`got`: per key, its size or an
+        error code); returns the indices whose objects were larger than their room."""
+
+        def decode(j: int) -> BlockRecord | Exception:
+            off, n = layout.offsets[j], got[j]
+            try:
+                # `decode` reads any buffer: the record's parts are views of `view`.
+                return _records.decode(cast(bytes, view[off : off + n]), keys[batch[j]])
+            except Exception as err:  # any bytes may come: none that fail are served
+                if not server_fault(err):
+                    raise
+                return err
+
+        arrived = [j for j, n in enumerate(got) if n > 0]
         larger = []
-        for j, (i, n) in enumerate(zip(batch, got)):
-            if n > 0:
-                try:
-                    off = layout.offsets[j]
-                    # `decode` reads any buffer: the record's parts are views of `view`.
-                    data = cast(bytes, view[off : off + n])
-                    records[i] = _records.decode(data, keys[i])
-                    self._size_hint(n)
-                except Exception as err:  # any bytes may come: none that fail are served
-                    if not server_fault(err):
-                        raise
-                    damaged.append((i, f"failed verification ({err})"))
-            elif n == INVALID_PARAMS:  # the object is larger than the room it was given
+        for j, decoded in zip(arrived, self._both(decode, arrived)):
+            if isinstance(decoded, BlockRecord):
+                records[batch[j]] = decoded
+                self._size_hint(got[j])
+            else:
+                damaged.append((batch[j], f"failed verification ({decoded})"))
+        for i, n in zip(batch, got):
+            if n == INVALID_PARAMS:  # the object is larger than the room it was given
                 larger.append(i)
             elif n == TRANSFER_FAIL:  # its segment's holder is gone: remove it for a rewrite
                 self._code_failed("read", n, [keys[i]])
                 damaged.append((i, f"could not be read ({code_name(n)})"))
-            elif n not in (NOT_FOUND, NOT_READY):
+            elif n <= 0 and n not in (NOT_FOUND, NOT_READY):
                 self._code_failed("read", n, [keys[i]])
         return larger
+
+    def _both(self, work: Callable[[int], T], items: Sequence[int]) -> list[T]:
+        """`work` of each item, the first half on this thread and the rest on the store's
+        helper thread at the same time (checksums and copies run side by side)."""
+        half = len(items) // 2
+        if not half:
+            return [work(i) for i in items]
+        rest = self._helper.submit(lambda: [work(i) for i in items[half:]])
+        return [work(i) for i in items[:half]] + rest.result()
 
     def _remove_damaged(self, damaged: list[tuple[str, str]]) -> None:
         """Removes records that failed verification or could not be read (counted in
@@ -356,25 +399,21 @@ class MooncakeStore(BatchStore):
         todo = [i for i, code in enumerate(held) if code != 1]
         heads = {i: header(records[i]) for i in todo}
         sizes = {i: encoded_size(heads[i], records[i]) for i in todo}
-        batch: list[int] = []
-        used = 0
-        for i in todo:
-            room = Layout([sizes[i]]).nbytes
-            if batch and used + room > self.buffer_bytes:
-                self._write(batch, records, heads, sizes, stored)
-                batch, used = [], 0
-            batch.append(i)
-            used += room
-        if batch:
+        for batch in self._calls(todo, sizes.__getitem__):
             self._write(batch, records, heads, sizes, stored)
         return StoreResult(stored)
 
     def _write(self, batch, records, heads, sizes, stored) -> None:
-        """One `batch_put_from` of the records at `batch`, written into one region."""
+        """Writes the byte forms of the records at `batch` into one region and sends them
+        with one `batch_put_from`."""
         layout = Layout([sizes[i] for i in batch])
         region = self._link.arena.take(layout.nbytes)
-        for off, i in zip(layout.offsets, batch):
+
+        def write_one(j: int) -> None:
+            off, i = layout.offsets[j], batch[j]
             write(records[i], heads[i], region.base[off : off + sizes[i]])
+
+        self._both(write_one, range(len(batch)))
         names = [self._name(records[i].key) for i in batch]
         ptrs = [region.address + off for off in layout.offsets]
         lengths = [sizes[i] for i in batch]
@@ -431,3 +470,4 @@ class MooncakeStore(BatchStore):
         """Closes the client (a segment this process mounted is unmounted: its blocks are
         gone)."""
         self._link.close()
+        self._helper.shutdown(wait=False)
