@@ -79,10 +79,17 @@ def token_array(token_ids, name: str = "token_ids") -> np.ndarray:
     """
     arr = int_vector(name, token_ids, "token ids")
     # Only the bounds a dtype can break are read: an unsigned dtype has no negatives, one of
-    # 4 bytes or fewer nothing at 2**32 or above.
-    if arr.size and (
-        (arr.dtype.kind == "i" and arr.min() < 0) or (arr.dtype.itemsize > 4 and arr.max() >= 2**32)
-    ):
+    # 4 bytes or fewer nothing at 2**32 or above. Wide native ids take one pass: read as
+    # unsigned, a negative id is at 2**63 or above.
+    if not arr.size:
+        pass
+    elif arr.dtype.itemsize > 4 and arr.dtype.isnative:
+        bad = arr.view(f"u{arr.dtype.itemsize}").max() >= 2**32
+    else:
+        bad = (arr.dtype.kind == "i" and arr.min() < 0) or (
+            arr.dtype.itemsize > 4 and arr.max() >= 2**32
+        )
+    if arr.size and bad:
         raise ValueError(f"{name}: expected ids in [0, 2**32), got [{arr.min()}, {arr.max()}]")
     if arr.dtype.itemsize == 4 and arr.dtype.isnative:
         return arr.view(np.uint32)

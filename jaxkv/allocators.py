@@ -166,6 +166,10 @@ class _PageFreeList:
             ValueError: `free_index` has two or more dimensions, or values past int64.
         """
         slots = _int_vector("free_index", free_index)
+        pages = self._ascending_pages(slots)
+        if pages is not None:  # each page once, in range: only those already free drop out
+            self._release(pages[~self._is_free[pages]])
+            return
         pages = slots // self.page_size if self.page_size > 1 else slots
         pages = pages[(pages >= 1) & (pages <= self.num_pages)]
         pages = pages[~self._is_free[pages]]
@@ -175,10 +179,28 @@ class _PageFreeList:
             order = np.arange(pages.size)
             self._last_seen[pages] = order
             pages = pages[self._last_seen[pages] == order]
+        self._release(pages)
+
+    def _release(self, pages: np.ndarray) -> None:
         if pages.size:
             self._is_free[pages] = True
             self._released.append(pages)
             self._n_released += pages.size
+
+    def _ascending_pages(self, slots: np.ndarray) -> np.ndarray | None:
+        """The pages of `slots` when they are whole pages, strictly ascending and in range (as
+        `alloc` hands them out), each once; else None (the general path). A few vector steps
+        instead of the general path's masks and de-duplication."""
+        ps, n = self.page_size, slots.size
+        starts = slots[::ps]
+        if n == 0 or n % ps or (starts.size > 1 and not (starts[1:] > starts[:-1]).all()):
+            return None
+        if ps > 1:
+            rows = slots.reshape(-1, ps) - starts[:, None]
+            if (starts % ps).any() or not (rows == np.arange(ps)).all():
+                return None
+        pages = starts // ps if ps > 1 else starts
+        return pages if 1 <= pages[0] and pages[-1] <= self.num_pages else None
 
     def backup_state(self) -> AllocatorState:
         """A snapshot of the free lists (a copy: later calls do not change it).

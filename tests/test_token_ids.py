@@ -107,3 +107,14 @@ def test_the_engine_serves_a_prompt_in_any_dtype_as_its_values(dtype):
     np.testing.assert_array_equal(again.tokens, plain.tokens)
     np.testing.assert_array_equal(native.tokens, plain.tokens)
     assert again.device_tokens == native.device_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", ["<i8", ">i8", "<u8", ">u8", "<i4", ">i4", "<i2"])
+def test_ids_outside_32_bits_are_refused_in_every_width_and_byte_order(dtype):
+    dt = np.dtype(dtype)
+    top = min(2**32 - 1, np.iinfo(dt).max)
+    assert token_array(np.array([0, top], dt)).tolist() == [0, top]
+    bad = [v for v in (-1, np.iinfo(dt).min, 2**32, np.iinfo(dt).max) if not 0 <= v < 2**32]
+    for value in bad:
+        with pytest.raises(ValueError, match=r"expected ids in \[0, 2\*\*32\)"):
+            token_array(np.array([7, value], dt))
