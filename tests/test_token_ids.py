@@ -114,7 +114,9 @@ def test_ids_outside_32_bits_are_refused_in_every_width_and_byte_order(dtype):
     dt = np.dtype(dtype)
     top = min(2**32 - 1, np.iinfo(dt).max)
     assert token_array(np.array([0, top], dt)).tolist() == [0, top]
-    bad = [v for v in (-1, np.iinfo(dt).min, 2**32, np.iinfo(dt).max) if not 0 <= v < 2**32]
+    info = np.iinfo(dt)
+    candidates = (-1, info.min, 2**32, info.max)
+    bad = [v for v in candidates if info.min <= v <= info.max and not 0 <= v < 2**32]
     for value in bad:
         with pytest.raises(ValueError, match=r"expected ids in \[0, 2\*\*32\)"):
             token_array(np.array([7, value], dt))
