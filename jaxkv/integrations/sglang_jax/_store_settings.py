@@ -8,10 +8,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxkv.connector import BlockStore, DiskStore, HostStore, RedisStore, TieredStore
+from jaxkv.connector import (
+    BlockStore,
+    DiskStore,
+    HostStore,
+    MooncakeStore,
+    RedisStore,
+    TieredStore,
+)
 
 ENV_STORE = "JAXKV_SGLANG_JAX_STORE"
 ENV_NAMESPACE = "JAXKV_SGLANG_JAX_NAMESPACE"
@@ -39,10 +47,15 @@ def _memory_bytes() -> int:
 #: physical memory.
 MEMORY_BYTES = _memory_bytes()
 _SPEC_HELP = (
-    "expected a store spec: disk:PATH, host:BYTES, a redis://, rediss:// or unix:// URL, or "
-    "several of them comma-separated, fastest first (a TieredStore)"
+    "expected a store spec: disk:PATH, host:BYTES, a redis://, rediss://, unix:// or "
+    "redis+cluster:// URL, mooncake://HOST:PORT?metadata=URL, or several of them "
+    "comma-separated, fastest first (a TieredStore)"
 )
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+_MOONCAKE = "mooncake://"
+# What a mooncake:// URL's query may name: MooncakeStore's keywords, text or a byte count.
+_MOONCAKE_TEXT = ("metadata", "local_hostname", "protocol")
+_MOONCAKE_BYTES = ("segment_bytes", "buffer_bytes")
 # Server arguments that name the weights (and the KV cache's dtype) a tree's KV comes from.
 _WEIGHTS_ARGS = ("model_path", "revision", "dtype", "quantization", "kv_cache_dtype")
 
@@ -60,6 +73,9 @@ def spec_parts(spec: object) -> list[tuple[str, str]]:
         where = "" if part == spec else f" in {spec!r}"
         if part.startswith(_REDIS_SCHEMES):
             parts.append(("redis", part))
+        elif part.startswith(_MOONCAKE):
+            mooncake_args(part, where)
+            parts.append(("mooncake", part))
         elif kind == "disk" and arg:
             parts.append(("disk", arg))
         elif kind == "host" and arg.isascii() and arg.isdigit() and int(arg) > 0:
@@ -74,15 +90,56 @@ def spec_parts(spec: object) -> list[tuple[str, str]]:
     return parts
 
 
+def mooncake_args(part: str, where: str = "") -> tuple[str, dict[str, Any]]:
+    """`MooncakeStore`'s arguments from `mooncake://HOST:PORT?metadata=URL[&local_hostname=...
+    &protocol=...&segment_bytes=...&buffer_bytes=...]`: the master, and the query as keywords
+    (`metadata` required; the byte counts ASCII digits; values percent-decoded, so a
+    metadata URL with a comma or an ampersand is written `%2C`, `%26`). Opens nothing.
+
+    Raises:
+        ValueError: naming what is wrong, for a URL of another form.
+    """
+    expected = "expected mooncake://HOST:PORT?metadata=URL[&KEYWORD=VALUE...]"
+    parsed = urllib.parse.urlsplit(part)
+    host, _, port = parsed.netloc.rpartition(":")
+    if parsed.path not in ("", "/") or not host or not port.isascii() or not port.isdigit():
+        raise ValueError(f"store: {expected}, got {part!r}{where}")
+    kwargs: dict[str, Any] = {}
+    for name, value in urllib.parse.parse_qsl(parsed.query, keep_blank_values=True):
+        if name in kwargs:
+            raise ValueError(f"store: {expected} naming {name} once, got {part!r}{where}")
+        if name in _MOONCAKE_BYTES and value.isascii() and value.isdigit():
+            kwargs[name] = int(value)
+        elif name in _MOONCAKE_TEXT and value:
+            kwargs[name] = value
+        else:
+            known = ", ".join(_MOONCAKE_TEXT + _MOONCAKE_BYTES)
+            raise ValueError(
+                f"store: {expected} (keywords {known}; byte counts in digits), got "
+                f"{name}={value!r} in {part!r}{where}"
+            )
+    if "metadata" not in kwargs:
+        raise ValueError(f"store: {expected}, got no metadata in {part!r}{where}")
+    return parsed.netloc, kwargs
+
+
+def _open_mooncake(part: str) -> MooncakeStore:
+    master, kwargs = mooncake_args(part)
+    return MooncakeStore(master, **kwargs)
+
+
 def open_store(spec: str) -> BlockStore:
     """The store `spec` names.
 
     Args:
         spec: `disk:PATH` (a `DiskStore` in that folder), `host:BYTES` (a `HostStore` of that
             capacity, this process's alone, ASCII digits, at most `MEMORY_BYTES`), a
-            `redis://`, `rediss://` or `unix://` URL (a `RedisStore`), or several of them
-            comma-separated, fastest first (a `TieredStore` of them). Spaces around a part,
-            its kind and its argument are ignored: `disk: /cache` is the folder `/cache`.
+            `redis://`, `rediss://`, `unix://` or `redis+cluster://` URL (a `RedisStore`; a
+            cluster's extra startup nodes as `?nodes=HOST:PORT;HOST:PORT`), a
+            `mooncake://HOST:PORT?metadata=URL` URL (a `MooncakeStore`, see
+            `mooncake_args`), or several of them comma-separated, fastest first (a
+            `TieredStore` of them). Spaces around a part, its kind and its argument are
+            ignored: `disk: /cache` is the folder `/cache`.
 
     Returns:
         The store, opened.
@@ -100,6 +157,7 @@ def open_store(spec: str) -> BlockStore:
         "disk": DiskStore,
         "host": lambda arg: HostStore(int(arg)),
         "redis": RedisStore,
+        "mooncake": _open_mooncake,
     }
     stores = [opened[kind](arg) for kind, arg in spec_parts(spec)]
     return stores[0] if len(stores) == 1 else TieredStore(*stores)
