@@ -16,7 +16,9 @@
 #    (tests_sglang_jax/hicache_on_jaxkv.py) swaps the class in before they import it and
 #    deselects the white-box tests of sglang-jax's own implementation it lists; it fails the
 #    run when a listed test is gone or the swap did not take.
-# 4. tests_sglang_jax/: jaxkv against sglang-jax's pools (test_server.py apart, step 5).
+# 4. tests_sglang_jax/: jaxkv against sglang-jax's pools (test_server.py apart, step 5); the
+#    persistent tier on Mooncake runs against real mooncake_master and mooncake_client
+#    processes (the `mooncake` extra; .ci/run installs the libraries their binaries need).
 # 5. tests_sglang_jax/test_server.py: sglang-jax's own server (python -m sgl_jax.launch_server)
 #    and jaxkv's launcher, started on the CPU on a tiny random checkpoint, over HTTP; it needs
 #    what the server imports besides (.ci/sglang-jax-server-requirements.txt, installed into
@@ -66,7 +68,8 @@ echo '*' >"$venv/.gitignore" # the environment is never part of the repository
 # No bytecode at install: the tests' interpreters compile only the modules they import, once,
 # into the prefix above, instead of every installed file.
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile \
-  -e ".[test]" -r .ci/sglang-jax-requirements.txt -r .ci/sglang-jax-server-requirements.txt
+  -e ".[test,mooncake]" -r .ci/sglang-jax-requirements.txt \
+  -r .ci/sglang-jax-server-requirements.txt
 installed=$(date +%s)
 echo "CI: sglang-jax environment installed in $((installed - start)) s"
 "$venv/bin/python" -c "import jax, numpy; print('jax', jax.__version__, 'numpy', numpy.__version__)"
