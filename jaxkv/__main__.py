@@ -44,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="also measure the Redis or Valkey server at URL (e.g. "
                        "redis://localhost:6379/0); without it the Redis rows are "
                        "skipped")  # fmt: skip
+    bench.add_argument("--redis-cluster-url", metavar="URL",
+                       help="also measure the Redis Cluster at URL "
+                       "(redis+cluster://HOST:PORT)")  # fmt: skip
+    bench.add_argument("--mooncake", metavar="SPEC",
+                       help="also measure the Mooncake cluster SPEC names "
+                       "(mooncake://HOST:PORT?metadata=URL; its segments need room for "
+                       "about 1 GiB), and its store against its own client")  # fmt: skip
     bench.add_argument("--json", metavar="PATH", dest="json_path",
                        help="write every figure and target as JSON")  # fmt: skip
     bench.add_argument("--plot", metavar="PATH", dest="plot_path",

@@ -3,11 +3,12 @@
 Every comparison runs its contenders alternately (one call of each per round) and reports
 medians, so a slow moment of the machine hits all of them alike. The sections (`SECTIONS`, in
 the order they run and print): pool updates, connector transfers, store tiers (host, disk,
-Redis), a head-sharded pool on 8 devices, block hashing, the allocators, the prefix cache
-against SGLang's, sglang-jax's HiCache host pool against jaxkv's, `store_async`, and the
-reference decoder's serving steps. Then every performance target, with its value and limit
-(`_targets.TARGETS`); `--check` makes a missed target the exit status. `--json` writes every
-figure and target; `--plot` draws update time against pool size.
+Redis, Redis Cluster, Mooncake, beside memcpy), a head-sharded pool on 8 devices, block
+hashing, the allocators, the prefix cache against SGLang's, sglang-jax's HiCache host pool
+against jaxkv's, `store_async`, and the reference decoder's serving steps. Then every
+performance target, with its value and limit (`_targets.TARGETS`); `--check` makes a missed
+target the exit status. `--json` writes every figure and target; `--plot` draws update time
+against pool size.
 
 Sizes: `FULL` (the default run), `QUICK` (`--quick`, a laptop's first run), `TINY` (every
 section and target in seconds, for tests of the bench: its figures say nothing about
@@ -65,6 +66,8 @@ def run(
     *,
     check: bool = False,
     redis_url: str | None = None,
+    redis_cluster_url: str | None = None,
+    mooncake: str | None = None,
 ) -> int:
     """Runs every section of `SECTIONS`, prints their tables and the targets; returns the
     exit status.
@@ -77,6 +80,11 @@ def run(
         check: return 1 when a target is missed (`--check`), after naming each miss.
         redis_url: a Redis or Valkey server for the store tiers' Redis rows (`--redis-url`);
             without it those rows are skipped, and the output says how to run them.
+        redis_cluster_url: a Redis Cluster (`redis+cluster://HOST:PORT`) for the store
+            tiers' Redis Cluster rows (`--redis-cluster-url`), or None.
+        mooncake: a Mooncake cluster (`mooncake://HOST:PORT?metadata=URL`) for the store
+            tiers' Mooncake rows and its store against its own client (`--mooncake`), or
+            None.
 
     Returns:
         0 when it ran (and, with `check`, every target held); 1 when `check` found a missed
@@ -89,13 +97,18 @@ def run(
         except ImportError:
             print("--plot needs matplotlib: pip install 'jaxkv[bench]'", file=sys.stderr)
             return 2
-    if redis_url:
-        problem = _remote.redis_problem(redis_url)
+    servers = (
+        ("--redis-url", redis_url, _remote.redis_problem),
+        ("--redis-cluster-url", redis_cluster_url, _remote.redis_problem),
+        ("--mooncake", mooncake, _remote.mooncake_problem),
+    )
+    for flag, where, problem_of in servers:
+        problem = problem_of(where) if where else None
         if problem:
-            print(f"--redis-url {redis_url}: {problem}", file=sys.stderr)
+            print(f"{flag} {where}: {problem}", file=sys.stderr)
             return 2
     sizes = sizes or (QUICK if quick else FULL)
-    setting = Setting(sizes, jax.default_backend(), redis_url)
+    setting = Setting(sizes, jax.default_backend(), redis_url, redis_cluster_url, mooncake)
     info = machine()
     print(f"jaxkv bench{' --quick' if sizes == QUICK else ''} ({sizes.name} sizes)")
     print("  " + ", ".join(f"{k} {v}" for k, v in info.items()))

@@ -22,11 +22,17 @@ class Setting:
         sizes: the problem sizes of the run.
         backend: JAX's default backend (`"cpu"`, `"gpu"`, `"tpu"`): each has its own floors.
         redis_url: the user's Redis server for the store tiers' Redis rows, or None.
+        redis_cluster_url: the user's Redis Cluster (`redis+cluster://...`) for their Redis
+            Cluster rows, or None.
+        mooncake: the user's Mooncake cluster (`mooncake://HOST:PORT?metadata=URL`) for their
+            Mooncake rows, or None.
     """
 
     sizes: Sizes
     backend: str
     redis_url: str | None = None
+    redis_cluster_url: str | None = None
+    mooncake: str | None = None
 
     @property
     def accel(self) -> bool:

@@ -309,3 +309,23 @@ def test_without_mooncake_jaxkv_imports_and_the_store_names_the_extra(monkeypatc
     finally:
         monkeypatch.undo()
         importlib.reload(mooncake_module)
+
+
+# --------------------------------------------------------------------------------------------
+# The bench's rows
+
+
+def test_the_bench_measures_mooncake_beside_its_client_and_leaves_nothing(cluster):
+    import jax
+
+    from jaxkv import bench
+    from jaxkv.bench import _remote
+
+    setting = bench.Setting(bench.TINY, jax.default_backend(), mooncake=cluster.spec)
+    before = set(cluster.keys())
+    res = _remote.measure(setting)
+    assert [r["blocks"] for r in res["rows"] if r["tier"] == "mooncake"] == [1, 4]
+    assert [r["contender"] for r in res["mooncake_client"]] == ["store", "from/into", "bytes"]
+    assert all(r["store_GBps"] > 0 and r["load_GBps"] > 0 for r in res["mooncake_client"])
+    assert set(cluster.keys()) == before
+    assert _remote.mooncake_problem("mooncake://127.0.0.1:1") is not None  # no metadata

@@ -352,3 +352,26 @@ def test_a_moving_slot_is_a_miss_then_served_from_its_new_node(own_cluster):
     np.testing.assert_array_equal(_bits(dst, np.arange(BS)), _bits(pool, np.arange(BS)))
     stats = store.stats()
     assert stats["io_errors"] == stats["verification_failures"] == 0
+
+
+def test_the_bench_measures_a_cluster_and_leaves_nothing_on_it(cluster):
+    import jax
+
+    from jaxkv import bench
+    from jaxkv.bench import _remote
+
+    owner = cluster.client(cluster.owner("the-users-own-key"))
+    try:
+        owner.set("the-users-own-key", b"1")
+        setting = bench.Setting(bench.TINY, jax.default_backend(), redis_cluster_url=cluster.url)
+        res = _remote.measure(setting)
+        assert [r["blocks"] for r in res["rows"] if r["tier"] == "cluster"] == [1, 4]
+        left = []
+        for node in cluster.nodes:
+            client = cluster.client(node)
+            left += client.keys("jaxkv-bench-*")
+            client.close()
+        assert left == [] and owner.get("the-users-own-key") == b"1"
+    finally:
+        owner.close()
+    assert _remote.redis_problem("redis+cluster://127.0.0.1:1") is not None
