@@ -300,7 +300,8 @@ class Cluster:
         startup: the nodes first asked for the slot map.
         link_to: `link_to(address)` makes the link of a node (its own pool and breaker).
         errors: redis-py's module of exceptions.
-        count: `count(name)` adds one to a store counter (`moved`, `io_errors`).
+        count: `count(name)` adds one to a store counter (`moved`, `io_errors`,
+            `unavailable`).
         note: `note(kind, err)` logs a failure (a node answering an error to `CLUSTER SLOTS`).
         refresh_s: the shortest time between two refreshes of the slot map.
     """
@@ -368,7 +369,9 @@ class Cluster:
         for i, command in enumerate(commands):
             by_node.setdefault(owners[key_slot(command[1])], []).append(i)
         answers: list[Any] = [UNANSWERED] * len(commands)
-        failed = None in by_node
+        failed = None in by_node  # slots no known master owns: answered without the network
+        if failed and counted:
+            self._count("unavailable")
         for address, indices in by_node.items():
             if address is None:
                 continue
