@@ -76,7 +76,10 @@ def mooncake_problem(spec: str) -> str | None:
         return str(err)
     try:
         if not store.ready:
-            return f"the master at {master} did not answer (see the jaxkv log)"
+            return (
+                f"no Mooncake client could be set up with the master at {master} and the "
+                "metadata server named (are both running and reachable?)"
+            )
     finally:
         store.close()
     return None
