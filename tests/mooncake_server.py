@@ -161,9 +161,10 @@ class LocalMooncake:
         return (self._admin("get_all_keys") or "").split()
 
     def holder(self, segment_bytes: int = 256 << 20) -> Holder:
-        """Starts a standalone holder of a segment of `segment_bytes`."""
-        self.holders.append(Holder(self, segment_bytes).start())
-        return self.holders[-1]
+        """Starts a standalone holder of a segment of `segment_bytes` (at least 16 MiB)."""
+        holder = Holder(self, segment_bytes)
+        self.holders.append(holder)  # stopped with the cluster, even if it fails to start
+        return holder.start()
 
     def stop(self) -> None:
         """Kills the master (SIGKILL, as a crash) and waits for it."""

@@ -160,17 +160,21 @@ class LocalRedisCluster:
     def start(self, timeout_s: float = 30.0) -> LocalRedisCluster:
         """Starts every node, joins them (`redis-cli --cluster create`) and waits until every
         node sees the whole cluster up and every replica has synced."""
-        for node in self.nodes:
-            node.start()
-        subprocess.run(
-            ["redis-cli", "--cluster", "create"]
-            + [f"127.0.0.1:{n.port}" for n in self.nodes]
-            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
-            check=True,
-            capture_output=True,
-            timeout=timeout_s,
-        )
-        self.wait_until_ok(timeout_s)
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run(
+                ["redis-cli", "--cluster", "create"]
+                + [f"127.0.0.1:{n.port}" for n in self.nodes]
+                + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                check=True,
+                capture_output=True,
+                timeout=timeout_s,
+            )
+            self.wait_until_ok(timeout_s)
+        except BaseException:
+            self.close()  # no node outlives a cluster that did not come up
+            raise
         return self
 
     def client(self, node: LocalRedis):
