@@ -40,17 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--check", action="store_true",
                        help="exit 1 when a performance target is missed, naming each miss "
                        "with its value and limit")  # fmt: skip
-    bench.add_argument("--redis-url", metavar="URL",
-                       help="also measure the Redis or Valkey server at URL (e.g. "
-                       "redis://localhost:6379/0); without it the Redis rows are "
-                       "skipped")  # fmt: skip
-    bench.add_argument("--redis-cluster-url", metavar="URL",
-                       help="also measure the Redis Cluster at URL "
-                       "(redis+cluster://HOST:PORT)")  # fmt: skip
-    bench.add_argument("--mooncake", metavar="SPEC",
-                       help="also measure the Mooncake cluster SPEC names "
-                       "(mooncake://HOST:PORT?metadata=URL; its segments need room for "
-                       "about 1 GiB), and its store against its own client")  # fmt: skip
+    # The remote stores the store-tier section also measures, each skipped without its flag.
+    for flag, metavar, what in (
+        ("--redis-url", "URL", "the Redis or Valkey server at URL (e.g. "
+         "redis://localhost:6379/0)"),
+        ("--redis-cluster-url", "URL", "the Redis Cluster at URL (redis+cluster://HOST:PORT)"),
+        ("--mooncake", "SPEC", "the Mooncake cluster SPEC names (mooncake://HOST:PORT?"
+         "metadata=URL; its segments need room for about 1 GiB), and its store against its "
+         "own client"),
+    ):  # fmt: skip
+        bench.add_argument(flag, metavar=metavar, help=f"also measure {what}; without it "
+                           "its rows are skipped")  # fmt: skip
     bench.add_argument("--json", metavar="PATH", dest="json_path",
                        help="write every figure and target as JSON")  # fmt: skip
     bench.add_argument("--plot", metavar="PATH", dest="plot_path",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import mmap
 import struct
 import sys
@@ -145,23 +144,8 @@ class Layout:
 
 
 def header(record: BlockRecord) -> bytes:
-    """The prefix and JSON header of `record`'s byte form (`_records.encode` writes the same
-    bytes: a test pins them equal)."""
-    parts, offset = [], 0
-    for name, arr in record.parts.items():
-        parts.append([name, arr.dtype.str, list(arr.shape), offset, int(arr.nbytes)])
-        offset += int(arr.nbytes)
-    text = json.dumps(
-        {
-            "key": record.key,
-            "layout": record.layout,
-            "tokens": record.tokens,
-            "parts": parts,
-            "payload": offset,
-        },
-        separators=(",", ":"),
-    ).encode()
-    return _PREFIX.pack(_records.MAGIC, _records.VERSION, len(text)) + text
+    """The prefix and JSON header of `record`'s byte form (`_records.head`)."""
+    return _records.head(record)
 
 
 def write(record: BlockRecord, head: bytes, out: np.ndarray) -> None:

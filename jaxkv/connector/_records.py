@@ -128,6 +128,16 @@ def is_block_of(record: BlockRecord) -> bool:
 
 def encode(record: BlockRecord) -> bytes:
     """The record's byte form (see the module docstring)."""
+    body = b"".join(
+        [head(record)] + [np.ascontiguousarray(a).tobytes() for a in record.parts.values()]
+    )
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def head(record: BlockRecord) -> bytes:
+    """The start of the record's byte form: the prefix and the JSON header, which the parts'
+    bytes and the CRC32 of all of it follow (a store writing the form in place writes these
+    bytes, then the parts)."""
     parts, offset = [], 0
     for name, arr in record.parts.items():
         parts.append([name, arr.dtype.str, list(arr.shape), offset, int(arr.nbytes)])
@@ -142,11 +152,7 @@ def encode(record: BlockRecord) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
-    body = b"".join(
-        [_PREFIX.pack(MAGIC, VERSION, len(header)), header]
-        + [np.ascontiguousarray(a).tobytes() for a in record.parts.values()]
-    )
-    return body + _CRC.pack(zlib.crc32(body))
+    return _PREFIX.pack(MAGIC, VERSION, len(header)) + header
 
 
 def decode(data: bytes, key: str) -> BlockRecord:
