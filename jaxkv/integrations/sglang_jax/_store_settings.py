@@ -49,8 +49,9 @@ MEMORY_BYTES = _memory_bytes()
 # The text docs/sglang_jax.md quotes; `open_store`'s docstring names every form it takes
 # (redis+cluster:// and mooncake:// too).
 _SPEC_HELP = (
-    "expected a store spec: disk:PATH, host:BYTES, a redis://, rediss:// or unix:// URL, or "
-    "several of them comma-separated, fastest first (a TieredStore)"
+    "expected a store spec: disk:PATH, host:BYTES, a redis://, rediss://, unix:// or "
+    "redis+cluster:// URL, mooncake://HOST:PORT?metadata=URL, or several of them "
+    "comma-separated, fastest first (a TieredStore)"
 )
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 _MOONCAKE = "mooncake://"
