@@ -45,7 +45,7 @@ def redis_problem(url: str) -> str | None:
         import redis
     except ImportError:
         return "needs redis-py (pip install 'jaxkv[redis]')"
-    from jaxkv.connector._redis_cluster import CLUSTER_SCHEMES, parse_url
+    from jaxkv.connector.remote import CLUSTER_SCHEMES, parse_url
 
     try:
         if url.startswith(CLUSTER_SCHEMES):
@@ -67,7 +67,7 @@ def redis_problem(url: str) -> str | None:
 
 def mooncake_problem(spec: str) -> str | None:
     """Why the Mooncake cluster `spec` names cannot be benchmarked, or None."""
-    from jaxkv.integrations.sglang_jax._store_settings import mooncake_args
+    from jaxkv.connector.mooncake import url_args as mooncake_args
 
     try:
         master, _ = mooncake_args(spec)
@@ -87,7 +87,7 @@ def mooncake_problem(spec: str) -> str | None:
 
 def _mooncake_store(spec: str, prefix: str):
     from jaxkv.connector import MooncakeStore
-    from jaxkv.integrations.sglang_jax._store_settings import mooncake_args
+    from jaxkv.connector.mooncake import url_args as mooncake_args
 
     master, kwargs = mooncake_args(spec)
     return MooncakeStore(master, **{"timeout_s": 5.0, **kwargs, "key_prefix": prefix})
@@ -98,7 +98,7 @@ def _delete_redis_prefix(url: str, prefix: str) -> None:
     bench's blocks are not the user's cache."""
     import redis
 
-    from jaxkv.connector._redis_cluster import CLUSTER_SCHEMES, parse_url
+    from jaxkv.connector.remote import CLUSTER_SCHEMES, parse_url
 
     client: redis.Redis | redis.cluster.RedisCluster
     if url.startswith(CLUSTER_SCHEMES):
@@ -249,15 +249,14 @@ def _against_the_client(spec: str, blocks: int, quick: bool) -> list[dict]:
     round's objects are removed before the next (untimed)."""
     from mooncake.store import MooncakeDistributedStore
 
-    from jaxkv.connector import _records as record_format
-    from jaxkv.integrations.sglang_jax._store_settings import mooncake_args
+    from jaxkv.connector.mooncake import url_args as mooncake_args
 
     master, kwargs = mooncake_args(spec)
     prefix = f"jaxkv-bench-{uuid.uuid4().hex[:12]}:"
     store = _mooncake_store(spec, prefix)
     client = MooncakeDistributedStore()
     records = _bench_records(blocks, 7)
-    values = [record_format.encode(r) for r in records]
+    values = [r.to_bytes() for r in records]
     size = len(values[0])
     nbytes = size * blocks
     host = kwargs.get("local_hostname", "127.0.0.1")
@@ -334,7 +333,7 @@ def _remove_mooncake_prefix(spec: str, prefix: str) -> None:
 
     from mooncake.store import MooncakeDistributedStore
 
-    from jaxkv.integrations.sglang_jax._store_settings import mooncake_args
+    from jaxkv.connector.mooncake import url_args as mooncake_args
 
     master, kwargs = mooncake_args(spec)
     client = MooncakeDistributedStore()

@@ -102,6 +102,10 @@ class BlockRecord:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.parts.values())
 
+    def to_bytes(self) -> bytes:
+        """The record's byte form, as the remote and disk stores keep it (checksummed)."""
+        return encode(self)
+
     def __getstate__(self):
         # A copy's parts are other memory: it does not inherit `is_block_of`'s memo.
         return {k: v for k, v in self.__dict__.items() if k != "_block_parts"}

@@ -29,8 +29,9 @@ from __future__ import annotations
 import concurrent.futures
 import operator
 import threading
+import urllib.parse
 from collections.abc import Callable, Sequence
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from jaxkv._checks import bool_arg, int_arg, text_arg
 from jaxkv.connector import _records
@@ -471,3 +472,41 @@ class MooncakeStore(BatchStore):
         gone)."""
         self._link.close()
         self._helper.shutdown(wait=False)
+
+
+# What a mooncake:// URL's query may name: MooncakeStore's keywords, text or a byte count.
+_URL_TEXT = ("metadata", "local_hostname", "protocol")
+_URL_BYTES = ("segment_bytes", "buffer_bytes")
+
+
+def url_args(part: str, where: str = "") -> tuple[str, dict[str, Any]]:
+    """`MooncakeStore`'s arguments from `mooncake://HOST:PORT?metadata=URL[&local_hostname=...
+    &protocol=...&segment_bytes=...&buffer_bytes=...]`: the master, and the query as keywords
+    (`metadata` required; the byte counts ASCII digits; values percent-decoded, so a
+    metadata URL with a comma or an ampersand is written `%2C`, `%26`). Opens nothing.
+
+    Raises:
+        ValueError: naming what is wrong, for a URL of another form.
+    """
+    expected = "expected mooncake://HOST:PORT?metadata=URL[&KEYWORD=VALUE...]"
+    parsed = urllib.parse.urlsplit(part)
+    host, _, port = parsed.netloc.rpartition(":")
+    if parsed.path not in ("", "/") or not host or not port.isascii() or not port.isdigit():
+        raise ValueError(f"store: {expected}, got {part!r}{where}")
+    kwargs: dict[str, Any] = {}
+    for name, value in urllib.parse.parse_qsl(parsed.query, keep_blank_values=True):
+        if name in kwargs:
+            raise ValueError(f"store: {expected} naming {name} once, got {part!r}{where}")
+        if name in _URL_BYTES and value.isascii() and value.isdigit():
+            kwargs[name] = int(value)
+        elif name in _URL_TEXT and value:
+            kwargs[name] = value
+        else:
+            known = ", ".join(_URL_TEXT + _URL_BYTES)
+            raise ValueError(
+                f"store: {expected} (keywords {known}; byte counts in digits), got "
+                f"{name}={value!r} in {part!r}{where}"
+            )
+    if "metadata" not in kwargs:
+        raise ValueError(f"store: {expected}, got no metadata in {part!r}{where}")
+    return parsed.netloc, kwargs

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,6 +19,7 @@ from jaxkv.connector import (
     RedisStore,
     TieredStore,
 )
+from jaxkv.connector.mooncake import url_args as mooncake_args
 
 ENV_STORE = "JAXKV_SGLANG_JAX_STORE"
 ENV_NAMESPACE = "JAXKV_SGLANG_JAX_NAMESPACE"
@@ -56,8 +56,6 @@ _SPEC_HELP = (
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 _MOONCAKE = "mooncake://"
 # What a mooncake:// URL's query may name: MooncakeStore's keywords, text or a byte count.
-_MOONCAKE_TEXT = ("metadata", "local_hostname", "protocol")
-_MOONCAKE_BYTES = ("segment_bytes", "buffer_bytes")
 # Server arguments that name the weights (and the KV cache's dtype) a tree's KV comes from.
 _WEIGHTS_ARGS = ("model_path", "revision", "dtype", "quantization", "kv_cache_dtype")
 
@@ -92,39 +90,6 @@ def spec_parts(spec: object) -> list[tuple[str, str]]:
     return parts
 
 
-def mooncake_args(part: str, where: str = "") -> tuple[str, dict[str, Any]]:
-    """`MooncakeStore`'s arguments from `mooncake://HOST:PORT?metadata=URL[&local_hostname=...
-    &protocol=...&segment_bytes=...&buffer_bytes=...]`: the master, and the query as keywords
-    (`metadata` required; the byte counts ASCII digits; values percent-decoded, so a
-    metadata URL with a comma or an ampersand is written `%2C`, `%26`). Opens nothing.
-
-    Raises:
-        ValueError: naming what is wrong, for a URL of another form.
-    """
-    expected = "expected mooncake://HOST:PORT?metadata=URL[&KEYWORD=VALUE...]"
-    parsed = urllib.parse.urlsplit(part)
-    host, _, port = parsed.netloc.rpartition(":")
-    if parsed.path not in ("", "/") or not host or not port.isascii() or not port.isdigit():
-        raise ValueError(f"store: {expected}, got {part!r}{where}")
-    kwargs: dict[str, Any] = {}
-    for name, value in urllib.parse.parse_qsl(parsed.query, keep_blank_values=True):
-        if name in kwargs:
-            raise ValueError(f"store: {expected} naming {name} once, got {part!r}{where}")
-        if name in _MOONCAKE_BYTES and value.isascii() and value.isdigit():
-            kwargs[name] = int(value)
-        elif name in _MOONCAKE_TEXT and value:
-            kwargs[name] = value
-        else:
-            known = ", ".join(_MOONCAKE_TEXT + _MOONCAKE_BYTES)
-            raise ValueError(
-                f"store: {expected} (keywords {known}; byte counts in digits), got "
-                f"{name}={value!r} in {part!r}{where}"
-            )
-    if "metadata" not in kwargs:
-        raise ValueError(f"store: {expected}, got no metadata in {part!r}{where}")
-    return parsed.netloc, kwargs
-
-
 def _open_mooncake(part: str) -> MooncakeStore:
     master, kwargs = mooncake_args(part)
     return MooncakeStore(master, **kwargs)
@@ -139,9 +104,9 @@ def open_store(spec: str) -> BlockStore:
             `redis://`, `rediss://`, `unix://` or `redis+cluster://` URL (a `RedisStore`; a
             cluster's extra startup nodes as `?nodes=HOST:PORT;HOST:PORT`), a
             `mooncake://HOST:PORT?metadata=URL` URL (a `MooncakeStore`, see
-            `mooncake_args`), or several of them comma-separated, fastest first (a
-            `TieredStore` of them). Spaces around a part, its kind and its argument are
-            ignored: `disk: /cache` is the folder `/cache`.
+            `jaxkv.connector.mooncake.url_args`), or several of them comma-separated,
+            fastest first (a `TieredStore` of them). Spaces around a part, its kind and
+            its argument are ignored: `disk: /cache` is the folder `/cache`.
 
     Returns:
         The store, opened.
