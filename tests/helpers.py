@@ -347,16 +347,6 @@ def host(x) -> np.ndarray:
     return np.array(jax.device_get(x), copy=True)
 
 
-def same_bits(a, b) -> bool:
-    """Bit equality of two arrays of one dtype (so -0.0 != 0.0 and NaN == NaN). Kept for
-    tests/test_radix_cache.py; other tests assert with `jaxkv.testing.assert_bits_equal`."""
-    try:
-        testing.assert_bits_equal(np.asarray(a), np.asarray(b))
-    except AssertionError:
-        return False
-    return True
-
-
 def random_mha_pool(
     seed: int = 0,
     *,
@@ -380,7 +370,7 @@ def random_mha_pool(
 
 def raw_rows(pool, slots) -> np.ndarray:
     """The stored rows at `slots` of every K layer, then every V layer:
-    `(2 * layer_num, len(slots), *row)`, compared with `same_bits`."""
+    `(2 * layer_num, len(slots), *row)`, compared with `jaxkv.testing.assert_bits_equal`."""
     slots = np.asarray(slots)
     return np.stack([np.asarray(b)[slots] for b in (*pool.k_buffer, *pool.v_buffer)])
 
@@ -605,7 +595,7 @@ def token_seq(i: int, blocks: int = 1) -> np.ndarray:
 
 def assert_rows(pool, slots, want) -> None:
     """The stored rows of `pool` at `slots` are bit for bit `want` (from `raw_rows`)."""
-    assert same_bits(raw_rows(pool, slots), want)
+    testing.assert_bits_equal(raw_rows(pool, slots), want)
 
 
 def block_key(i: int) -> str:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import random_mha_pool, raw_rows, same_bits
+from helpers import random_mha_pool, raw_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxkv import MHAPool, PagedAllocator, PrefixMatch, RadixCache, TokenAllocator
+from jaxkv import MHAPool, PagedAllocator, PrefixMatch, RadixCache, TokenAllocator, testing
 from jaxkv.connector import HostStore, KVConnector
 from jaxkv.radix_cache import StoreConnector
 
@@ -593,7 +593,7 @@ def test_an_evicted_prefix_is_found_in_the_store_and_loaded_back_bit_exact(page,
     pool, got = cache.load_back(pool, tokens, m)
     assert isinstance(got, PrefixMatch)
     assert got.slots.size == stored and got.stored_tokens == 0
-    assert same_bits(raw_rows(pool, got.slots), want)
+    testing.assert_bits_equal(raw_rows(pool, got.slots), want)
     assert alloc.available_size() == free - stored
     again = cache.match_prefix(tokens)
     np.testing.assert_array_equal(again.slots, got.slots)
@@ -629,7 +629,7 @@ def test_load_back_starts_at_the_block_holding_the_device_match_end():
     pool, got = cache.load_back(pool, tokens, m)
     assert alloc.available_size() == free - 6
     np.testing.assert_array_equal(got.slots[:6], head)
-    assert same_bits(raw_rows(pool, got.slots[6:]), want[:, 6:])
+    testing.assert_bits_equal(raw_rows(pool, got.slots[6:]), want[:, 6:])
     assert cache.total_size() == 12
 
 
@@ -649,7 +649,7 @@ def test_load_back_evicts_when_the_allocator_is_short_but_never_the_match():
     assert alloc.available_size() == 0 and m.stored_tokens == 8
     pool, got = cache.load_back(pool, x, m)
     np.testing.assert_array_equal(got.slots[:4], head)
-    assert same_bits(raw_rows(pool, got.slots[4:]), want[:, 4:])
+    testing.assert_bits_equal(raw_rows(pool, got.slots[4:]), want[:, 4:])
     assert cache.match_prefix(y).slots.size == 0  # evicted for room, and written back
     assert conn.lookup(y) == 12
     assert _sizes(cache) == (12, 0, 12) and alloc.available_size() == 4
@@ -729,7 +729,7 @@ def test_a_salted_prefix_never_matches_under_another_salt_in_the_tree_or_the_sto
     m = cache.match_prefix(tokens, salt=b"t1")
     assert m.stored_tokens == 12
     pool, got = cache.load_back(pool, tokens, m, salt="t1")
-    assert same_bits(raw_rows(pool, got.slots), want)
+    testing.assert_bits_equal(raw_rows(pool, got.slots), want)
     assert cache.match_prefix(tokens).slots.size == 0
 
 
@@ -772,7 +772,7 @@ def test_the_connector_is_any_object_with_the_four_members_the_tier_calls():
     m = cache.match_prefix(tokens)
     assert m.stored_tokens == 8
     pool, got = cache.load_back(pool, tokens, m)
-    assert same_bits(raw_rows(pool, got.slots), want)
+    testing.assert_bits_equal(raw_rows(pool, got.slots), want)
     assert conn.calls == ["store", "lookup", "load"]
 
 
