@@ -33,7 +33,7 @@ from jaxkv.connector._block_kernels import bucket
 from jaxkv.connector._keys import BlockKeys, keys_fingerprint
 from jaxkv.connector._pool_views import PoolView, view_of
 from jaxkv.connector._records import BlockRecord
-from jaxkv.connector._store_calls import StoreCalls
+from jaxkv.connector._store_calls import StoreCalls, checked_store
 from jaxkv.connector._transfers import Snapshot, TransferPath, choose_path, gather_blocks
 from jaxkv.connector._writes import BackgroundWrites
 from jaxkv.connector.layout import PoolLayout, describe
@@ -138,11 +138,7 @@ class KVConnector(BlockKeys):
         strict: bool = False,
         layout: PoolLayout | None = None,
     ):
-        if not isinstance(store, BlockStore):
-            raise TypeError(
-                "store: expected a BlockStore (HostStore, DiskStore, RedisStore, TieredStore or "
-                f"a subclass of jaxkv.connector.BlockStore), got {type(store).__name__}"
-            )
+        checked_store(store)
         if layout is not None and not isinstance(layout, PoolLayout):
             raise TypeError(f"layout: expected a PoolLayout or None, got {type(layout).__name__}")
         if layout is not None and isinstance(pool, PoolBase):
@@ -162,7 +158,6 @@ class KVConnector(BlockKeys):
             )
         int_arg("max_pending", max_pending)
         strict = bool_arg("strict", strict)
-        self.backend = store
         self.block_size = int(block_size)
         self.namespace = text_arg("namespace", namespace)
         self.layout = dataclasses.replace(view.layout, shard=text_arg("shard", shard))
@@ -178,6 +173,15 @@ class KVConnector(BlockKeys):
         self._chains = _hashing.KeyChains()
         self._writes = BackgroundWrites(int(max_pending))
         self._store = StoreCalls(store, strict, self._writes)
+
+    @property
+    def backend(self) -> BlockStore:
+        """The store; assigning another `BlockStore` makes the next calls use it."""
+        return self._store.backend
+
+    @backend.setter
+    def backend(self, store: BlockStore) -> None:
+        self._store.backend = checked_store(store)
 
     @property
     def strict(self) -> bool:

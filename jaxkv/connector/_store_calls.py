@@ -48,6 +48,17 @@ COUNTERS = (
 )
 
 
+def checked_store(store) -> BlockStore:
+    """`store` when it is a `BlockStore`; else `TypeError` naming what it is."""
+    if not isinstance(store, BlockStore):
+        raise TypeError(
+            "store: expected a BlockStore (HostStore, DiskStore, RedisStore, TieredStore, "
+            f"MooncakeStore or a subclass of jaxkv.connector.BlockStore), got "
+            f"{type(store).__name__}"
+        )
+    return store
+
+
 class StoreCalls:
     """A connector's calls into `backend`, its counters and its failure logs.
 

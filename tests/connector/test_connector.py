@@ -1096,3 +1096,17 @@ def test_fuzz_connector(fuzz_conn, method, tokens, slots, salt):
         got = np.array(pool.k_buffer[0])[np.asarray(slots)[:n]]
         want = np.array(_fuzz_pool().k_buffer[0])[np.asarray(slots)[:n]]
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_connector_given_another_store_uses_it_from_the_next_call():
+    pool = MHAPool.create(size=64, head_num=1, head_dim=2, layer_num=1, dtype=jnp.float32)
+    tokens, slots = np.arange(16), np.arange(1, 17)
+    first, second = HostStore(1 << 20), HostStore(1 << 20)
+    conn = KVConnector(pool, first, block_size=8)
+    assert conn.store(pool, tokens, slots) == 2
+    conn.backend = second
+    assert conn.backend is second and conn.lookup(tokens) == 0
+    assert conn.store(pool, tokens, slots) == 2 and len(second) == 2
+    with pytest.raises(TypeError, match="store: expected a BlockStore"):
+        conn.backend = {}
+    assert conn.backend is second
