@@ -73,7 +73,7 @@ def test_no_module_reads_a_private_attribute_by_name():
 
 
 def test_no_package_imports_another_packages_private_module():
-    """A subpackage's private modules (`jaxkv.connector._staging`) are its own: other
+    """A subpackage's private modules (`jaxkv.connector._records`) are its own: other
     packages use its public modules. The root package's private modules (`jaxkv._dtypes`) are
     the shared internals every subpackage builds on."""
     found = []

@@ -209,7 +209,7 @@ def test_a_strict_write_failing_part_way_raises_and_counts_what_landed(error):
         assert conn.lookup(tokens) == 3 * BS
 
 
-def test_put_many_result_of_a_plain_store_lists_each_records_answer_and_the_failure():
+def test_put_many_of_a_plain_store_lists_each_records_answer_and_the_failure():
     store = _FailingThird(OSError(5, "I/O error"))
     records = [small_record(block_key(i), i) for i in range(4)]
     result = store.put_many(records, strict=False)
