@@ -24,6 +24,7 @@ subnormals bit-exactly.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import runpy
@@ -373,6 +374,30 @@ def raw_rows(pool, slots) -> np.ndarray:
     `(2 * layer_num, len(slots), *row)`, compared with `jaxkv.testing.assert_bits_equal`."""
     slots = np.asarray(slots)
     return np.stack([np.asarray(b)[slots] for b in (*pool.k_buffer, *pool.v_buffer)])
+
+
+def row_bits(pool, slots) -> np.ndarray:
+    """The raw bits (`jaxkv.testing.raw_bits`) of every K and V row of every layer at `slots`,
+    side by side: `(len(slots), words)`, whatever the rows' shapes (K and V may differ)."""
+    slots = np.asarray(slots, dtype=np.int64)
+    bufs = (*pool.k_buffer, *pool.v_buffer)
+    return np.concatenate(
+        [
+            testing.raw_bits(np.asarray(b)[slots]).reshape(slots.size, math.prod(b.shape[1:]))
+            for b in bufs
+        ],
+        axis=1,
+    )
+
+
+def require(missing: list[str], what: str) -> None:
+    """Nothing when `missing` is empty; else the test fails under CI (which installs what the
+    tests need) and is skipped elsewhere, saying what is missing for `what`."""
+    if missing:
+        reason = "; ".join(missing)
+        if os.environ.get("CI"):
+            pytest.fail(f"CI needs {what}: {reason}")
+        pytest.skip(reason)
 
 
 def python_env(env: dict | None = None) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 import threading
 import uuid
@@ -25,7 +24,7 @@ import uuid
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import CONNECTOR_KINDS, connector_pool, fill_random_bits, roundtrip
+from helpers import CONNECTOR_KINDS, connector_pool, fill_random_bits, require, roundtrip
 from mooncake_server import MISSING, LocalMooncake
 
 from jaxkv.connector import (
@@ -44,10 +43,7 @@ MASTER, METADATA = "127.0.0.1:1", "http://127.0.0.1:1/metadata"
 
 def need_mooncake() -> None:
     """Fails under CI, skips elsewhere, when Mooncake is missing."""
-    if not LocalMooncake.available():
-        if os.environ.get("CI"):
-            pytest.fail(f"CI needs the Mooncake tests: {MISSING}")
-        pytest.skip(MISSING)
+    require([] if LocalMooncake.available() else [MISSING], "the Mooncake tests")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ Without Mooncake installed these tests skip, except under CI, where they fail.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -18,7 +17,7 @@ import uuid
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, fill_random_bits, random_connector_pool, run_python
+from helpers import REPO, fill_random_bits, random_connector_pool, require, row_bits, run_python
 from mooncake_server import MISSING, LocalMooncake
 
 from jaxkv import MHAPool
@@ -31,10 +30,7 @@ BS = 16
 def cluster():
     """`cluster(*master_args)` starts a master of the test's own; stopped after it, with its
     holders and stores."""
-    if not LocalMooncake.available():
-        if os.environ.get("CI"):
-            pytest.fail(f"CI needs the Mooncake tests: {MISSING}")
-        pytest.skip(MISSING)
+    require([] if LocalMooncake.available() else [MISSING], "the Mooncake tests")
     made: list[LocalMooncake] = []
     stores: list[MooncakeStore] = []
 
@@ -63,16 +59,6 @@ def _mha(seed: int, size: int = 256):
     return random_connector_pool("mha", seed, size=size, page_size=1, dtype=jnp.float32)
 
 
-def _bits(pool, slots) -> np.ndarray:
-    slots = np.asarray(slots, dtype=np.int64)
-    bufs = (*pool.k_buffer, *pool.v_buffer)
-    widths = [int(np.prod(b.shape[1:])) for b in bufs]
-    rows = [
-        np.asarray(b)[slots].view(np.uint32).reshape(slots.size, w) for b, w in zip(bufs, widths)
-    ]
-    return np.concatenate(rows, axis=1)
-
-
 def _serve(conn, pool, dst, tokens):
     """One store / lookup / load of `tokens`; returns `dst`, what the load found, and whether
     every loaded row is the stored one."""
@@ -80,7 +66,7 @@ def _serve(conn, pool, dst, tokens):
     conn.store(pool, tokens, slots)
     conn.lookup(tokens)
     dst, n = conn.load(dst, tokens, slots + 128)
-    return dst, n, np.array_equal(_bits(dst, slots[:n] + 128), _bits(pool, slots[:n]))
+    return dst, n, np.array_equal(row_bits(dst, slots[:n] + 128), row_bits(pool, slots[:n]))
 
 
 def _recovers(conn, pool, dst, tokens, deadline_s: float = 30.0) -> None:
@@ -220,4 +206,4 @@ def test_blocks_outlive_the_process_that_stored_them_in_a_holders_segment_alone(
     assert conn.lookup(tokens) == 96
     dst, n = conn.load(dst, tokens, slots + 128)
     assert n == 96
-    np.testing.assert_array_equal(_bits(dst, slots + 128), _bits(src, slots))
+    np.testing.assert_array_equal(row_bits(dst, slots + 128), row_bits(src, slots))

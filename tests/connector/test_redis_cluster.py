@@ -11,7 +11,6 @@ redis-py) these tests skip, naming what is missing, except under CI (`CI` set), 
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
@@ -24,7 +23,9 @@ from helpers import (
     connector_pool,
     fill_random_bits,
     random_connector_pool,
+    require,
     roundtrip,
+    row_bits,
     run_python,
 )
 from redis_server import MISSING, MISSING_CLI, LocalRedis, LocalRedisCluster
@@ -44,11 +45,7 @@ def _need_cluster() -> None:
         missing.append("redis-py is not installed (`pip install 'jaxkv[redis]'`)")
     if not LocalRedisCluster.available():
         missing.append(f"{MISSING}; {MISSING_CLI}")
-    if missing:
-        reason = "; ".join(missing)
-        if os.environ.get("CI"):
-            pytest.fail(f"CI needs the Redis Cluster tests: {reason}")
-        pytest.skip(reason)
+    require(missing, "the Redis Cluster tests")
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +78,6 @@ def _store(c: LocalRedisCluster, **kwargs) -> RedisStore:
 
 def _mha(seed: int, size: int = 256):
     return random_connector_pool("mha", seed, size=size, page_size=1, dtype=jnp.float32)
-
-
-def _bits(pool, slots) -> np.ndarray:
-    """The bits of every K and V row of every layer at `slots`, side by side."""
-    slots = np.asarray(slots, dtype=np.int64)
-    bufs = (*pool.k_buffer, *pool.v_buffer)
-    width = [int(np.prod(b.shape[1:])) for b in bufs]
-    rows = [
-        np.asarray(b)[slots].view(np.uint32).reshape(slots.size, w) for b, w in zip(bufs, width)
-    ]
-    return np.concatenate(rows, axis=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +178,7 @@ def test_each_call_is_one_pipeline_per_node_owning_its_keys(cluster):
         len(nodes),
         len(nodes),
     )
-    np.testing.assert_array_equal(_bits(dst, slots), _bits(pool, slots))
+    np.testing.assert_array_equal(row_bits(dst, slots), row_bits(pool, slots))
 
 
 def test_a_damaged_value_is_a_miss_and_is_deleted_from_its_node(cluster):
@@ -216,7 +202,9 @@ def test_a_damaged_value_is_a_miss_and_is_deleted_from_its_node(cluster):
     assert conn.store(pool, tokens, np.arange(3 * BS)) == 1
     dst, n = conn.load(dst, tokens, np.arange(3 * BS))
     assert n == 3 * BS
-    np.testing.assert_array_equal(_bits(dst, np.arange(3 * BS)), _bits(pool, np.arange(3 * BS)))
+    np.testing.assert_array_equal(
+        row_bits(dst, np.arange(3 * BS)), row_bits(pool, np.arange(3 * BS))
+    )
 
 
 @pytest.mark.slow  # a second interpreter
@@ -238,7 +226,7 @@ def test_two_processes_share_a_prefix(cluster):
     assert conn.lookup(tokens) == 8 * BS
     dst, n = conn.load(dst, tokens, slots)
     assert n == 8 * BS
-    np.testing.assert_array_equal(_bits(dst, slots), _bits(src, np.arange(8 * BS)))
+    np.testing.assert_array_equal(row_bits(dst, slots), row_bits(src, np.arange(8 * BS)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,7 +240,7 @@ def _serve(conn, pool, dst, tokens):
     conn.store(pool, tokens, slots)
     conn.lookup(tokens)
     dst, n = conn.load(dst, tokens, slots + 256)
-    return dst, n, np.array_equal(_bits(dst, slots[:n] + 256), _bits(pool, slots[:n]))
+    return dst, n, np.array_equal(row_bits(dst, slots[:n] + 256), row_bits(pool, slots[:n]))
 
 
 def test_a_node_down_is_a_miss_for_its_slots_and_the_others_still_serve(own_cluster):
@@ -305,11 +293,11 @@ def test_a_failover_is_misses_then_the_replica_serves_the_same_blocks(own_cluste
         client.close()
     master.stop()
     dst, n = conn.load(dst, tokens, slots + 256)  # no exception, whatever it finds
-    assert np.array_equal(_bits(dst, slots[:n] + 256), _bits(pool, slots[:n]))
+    assert np.array_equal(row_bits(dst, slots[:n] + 256), row_bits(pool, slots[:n]))
     deadline, n = time.monotonic() + 20, 0
     while n < 8 * BS and time.monotonic() < deadline:
         dst, n = conn.load(dst, tokens, slots + 256)
-        assert np.array_equal(_bits(dst, slots[:n] + 256), _bits(pool, slots[:n]))
+        assert np.array_equal(row_bits(dst, slots[:n] + 256), row_bits(pool, slots[:n]))
         time.sleep(0.05)
     assert n == 8 * BS  # the same blocks, from the promoted replica: nothing stored again
     assert c.owner(name) is not master
@@ -349,7 +337,7 @@ def test_a_moving_slot_is_a_miss_then_served_from_its_new_node(own_cluster):
         dst, n = conn.load(dst, tokens, np.arange(BS))  # MOVED, then the new map: a hit
         time.sleep(0.06)
     assert n == BS
-    np.testing.assert_array_equal(_bits(dst, np.arange(BS)), _bits(pool, np.arange(BS)))
+    np.testing.assert_array_equal(row_bits(dst, np.arange(BS)), row_bits(pool, np.arange(BS)))
     stats = store.stats()
     assert stats["io_errors"] == stats["verification_failures"] == 0
 

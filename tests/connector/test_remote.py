@@ -30,7 +30,9 @@ from helpers import (
     connector_pool,
     fill_random_bits,
     random_connector_pool,
+    require,
     roundtrip,
+    row_bits,
     run_python,
 )
 from redis_server import MISSING, LocalRedis
@@ -51,11 +53,7 @@ def _need_redis() -> None:
         missing.append("redis-py is not installed (`pip install 'jaxkv[redis]'`)")
     if not LocalRedis.available():
         missing.append(MISSING)
-    if missing:
-        reason = "; ".join(missing)
-        if os.environ.get("CI"):
-            pytest.fail(f"CI needs the Redis tests: {reason}")
-        pytest.skip(reason)
+    require(missing, "the Redis tests")
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +87,6 @@ def _store(srv, **kwargs) -> RedisStore:
 
 def _mha(seed: int, size: int = 128) -> MHAPool:
     return random_connector_pool("mha", seed, size=size, page_size=1, dtype=jnp.float32)
-
-
-def _raw_rows(pool, slots) -> np.ndarray:
-    """K and V rows of every layer at `slots`, side by side: `(len(slots), row bytes)`."""
-    slots = np.asarray(slots)
-    bufs = (*pool.k_buffer, *pool.v_buffer)
-    return np.concatenate(
-        [np.array(b)[slots].reshape(slots.size, int(np.prod(b.shape[1:]))) for b in bufs], axis=1
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,8 +150,8 @@ def test_two_processes_share_a_prefix(server):
     dst, n = conn.load(dst, tokens, np.arange(40, 40 + 5 * BS))
     assert n == 5 * BS
     np.testing.assert_array_equal(
-        _raw_rows(dst, np.arange(40, 40 + 5 * BS)).view(np.uint32),
-        _raw_rows(src, np.arange(5 * BS)).view(np.uint32),
+        row_bits(dst, np.arange(40, 40 + 5 * BS)),
+        row_bits(src, np.arange(5 * BS)),
     )
 
 
@@ -187,10 +176,10 @@ def test_a_record_failing_verification_is_a_miss_and_is_deleted(server):
     # A valid record of another block, under this block's key.
     client.set(store.key_prefix + keys[2], client.get(store.key_prefix + keys[0]))
     dst = _mha(4)
-    before = _raw_rows(dst, np.arange(64, 64 + 3 * BS))
+    before = row_bits(dst, np.arange(64, 64 + 3 * BS))
     dst, n = conn.load(dst, tokens, np.arange(64, 64 + 3 * BS))
     assert n == BS  # the first block only: the damaged second one ends the prefix
-    np.testing.assert_array_equal(_raw_rows(dst, np.arange(64 + BS, 64 + 3 * BS)), before[BS:])
+    np.testing.assert_array_equal(row_bits(dst, np.arange(64 + BS, 64 + 3 * BS)), before[BS:])
     assert store.get(keys[2]) is None
     assert store.stats()["verification_failures"] == 2
     assert client.exists(store.key_prefix + keys[1], store.key_prefix + keys[2]) == 0
@@ -228,8 +217,8 @@ def test_a_key_holding_no_record_is_not_promised_and_the_next_store_repairs_it(s
     dst, n = conn.load(dst, tokens, np.arange(64, 64 + 3 * BS))
     assert n == 3 * BS
     np.testing.assert_array_equal(
-        _raw_rows(dst, np.arange(64, 64 + 3 * BS)).view(np.uint32),
-        _raw_rows(pool, np.arange(3 * BS)).view(np.uint32),
+        row_bits(dst, np.arange(64, 64 + 3 * BS)),
+        row_bits(pool, np.arange(3 * BS)),
     )
 
 
@@ -263,8 +252,8 @@ def _loop_step(conn, pool, dst, step):
     found = conn.lookup(tokens)
     dst, n = conn.load(dst, tokens, np.arange(64, 64 + 2 * BS))
     exact = np.array_equal(
-        _raw_rows(dst, np.arange(64, 64 + n)).view(np.uint32),
-        _raw_rows(pool, np.arange(n)).view(np.uint32),
+        row_bits(dst, np.arange(64, 64 + n)),
+        row_bits(pool, np.arange(n)),
     )
     return dst, found, n, exact
 
@@ -280,12 +269,12 @@ def test_killed_and_restarted_server_misses_then_recovers_with_no_wrong_data(own
 
     srv.stop()
     for step in range(1, 6):
-        before = _raw_rows(dst, np.arange(64, 128))
+        before = row_bits(dst, np.arange(64, 128))
         start = time.monotonic()
         dst, found, n, exact = _loop_step(conn, pool, dst, step)
         assert time.monotonic() - start < 3 * timeout_s
         assert (found, n) == (0, 0)
-        np.testing.assert_array_equal(_raw_rows(dst, np.arange(64, 128)), before)
+        np.testing.assert_array_equal(row_bits(dst, np.arange(64, 128)), before)
     # An earlier prompt, stored while the server was up, is a miss too (not stale data).
     assert conn.lookup(np.arange(2 * BS)) == 0
     down = store.stats()
@@ -356,8 +345,8 @@ def test_allkeys_lru_keeps_the_server_within_maxmemory(own_server):
         dst, n = conn.load(dst, tokens, np.arange(1024))
         assert n == conn.lookup(tokens)
         np.testing.assert_array_equal(
-            _raw_rows(dst, np.arange(n)).view(np.uint32),
-            _raw_rows(pool, np.arange(n)).view(np.uint32),
+            row_bits(dst, np.arange(n)),
+            row_bits(pool, np.arange(n)),
         )
 
 
@@ -433,8 +422,8 @@ def test_tiered_host_over_redis_promotes_and_then_reads_host_only(server):
     dst, n = reader.load(dst, tokens, np.arange(64, 64 + 4 * BS))
     assert n == 4 * BS and remote.stats()["round_trips"] == trips
     np.testing.assert_array_equal(
-        _raw_rows(dst, np.arange(64, 64 + 4 * BS)).view(np.uint32),
-        _raw_rows(pool, np.arange(4 * BS)).view(np.uint32),
+        row_bits(dst, np.arange(64, 64 + 4 * BS)),
+        row_bits(pool, np.arange(4 * BS)),
     )
     stats = stack.stats()
     assert stats["promotions"] == 4 and stats["hits"] == 8

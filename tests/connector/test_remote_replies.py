@@ -32,7 +32,7 @@ from fake_resp import (
     integer,
     simple,
 )
-from helpers import random_connector_pool
+from helpers import random_connector_pool, row_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -700,17 +700,6 @@ def _pool(seed: int):
     return random_connector_pool("mha", seed, size=64, page_size=1, dtype=np.float32)
 
 
-def _rows(pool, slots) -> np.ndarray:
-    slots = np.asarray(slots)
-    return np.concatenate(
-        [
-            np.array(b)[slots].reshape(slots.size, -1).view(np.uint32)
-            for b in (*pool.k_buffer, *pool.v_buffer)
-        ],
-        axis=1,
-    )
-
-
 CONNECTOR_GARBAGE = ["non-numeric integer", "nested arrays", "cut array", "closed at once"]
 
 
@@ -721,12 +710,12 @@ def test_a_connector_over_a_garbling_server_raises_nothing_then_loads_exact(fake
     conn = KVConnector(pool, store, block_size=4)
     tokens, slots = np.arange(12) + 7, np.arange(12)
     fake.script = _on_data(GARBAGE[name])
-    before = _rows(dst, np.arange(32, 44))
+    before = row_bits(dst, np.arange(32, 44))
     assert conn.store(pool, tokens, slots) == 0
     assert conn.lookup(tokens) == 0
     dst, n = conn.load(dst, tokens, np.arange(32, 44))
     assert n == 0
-    np.testing.assert_array_equal(_rows(dst, np.arange(32, 44)), before)
+    np.testing.assert_array_equal(row_bits(dst, np.arange(32, 44)), before)
     assert conn.store_async(pool, tokens + 100, slots).result(timeout=30) == 0
     conn.flush()
     stats = conn.stats()
@@ -741,7 +730,7 @@ def test_a_connector_over_a_garbling_server_raises_nothing_then_loads_exact(fake
     assert conn.lookup(tokens) == 12
     dst, n = conn.load(dst, tokens, np.arange(32, 44))
     assert n == 12
-    np.testing.assert_array_equal(_rows(dst, np.arange(32, 44)), _rows(pool, slots))
+    np.testing.assert_array_equal(row_bits(dst, np.arange(32, 44)), row_bits(pool, slots))
 
 
 @pytest.mark.parametrize("name", CONNECTOR_GARBAGE)
@@ -756,7 +745,7 @@ def test_a_tiered_stack_over_a_garbling_server_serves_from_host_memory(fake, nam
     assert conn.lookup(tokens) == 12
     dst, n = conn.load(dst, tokens, np.arange(40, 52))
     assert n == 12
-    np.testing.assert_array_equal(_rows(dst, np.arange(40, 52)), _rows(pool, slots))
+    np.testing.assert_array_equal(row_bits(dst, np.arange(40, 52)), row_bits(pool, slots))
     stats = stack.stats()
     assert stats["io_errors"] >= 1 and stats["tiers"][1]["blocks"] == 0
     # An empty host tier over the same server, once it behaves: it reads the blocks stored
@@ -767,4 +756,4 @@ def test_a_tiered_stack_over_a_garbling_server_serves_from_host_memory(fake, nam
     reader = KVConnector(pool, TieredStore(HostStore(1 << 20), remote), block_size=4)
     dst, n = reader.load(dst, tokens + 1, np.arange(40, 52))
     assert n == 12
-    np.testing.assert_array_equal(_rows(dst, np.arange(40, 52)), _rows(pool, slots))
+    np.testing.assert_array_equal(row_bits(dst, np.arange(40, 52)), row_bits(pool, slots))
