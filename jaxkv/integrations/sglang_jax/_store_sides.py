@@ -15,8 +15,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from jaxkv.connector import BlockRecord, BlockStore, HostStore, StoreResult
 from jaxkv.connector.stores import FailureLog, batch_result
 
@@ -200,17 +198,14 @@ class ReadAhead(BlockStore):
         self._threads = ThreadPoolExecutor(_PREFETCH_THREADS, thread_name_prefix="jaxkv-prefetch")
 
     def pin(self, records: Sequence[BlockRecord]) -> list[str]:
-        """Holds copies of `records` (read from this side) until `unpin`: a load checked now
-        and written later reads them, whatever the prefetches evict meanwhile. Returns their
-        keys."""
-        held = [
-            dataclasses.replace(r, parts={k: np.array(v) for k, v in r.parts.items()}, source=None)
-            for r in records
-        ]
+        """Holds `records` (read from this side) until `unpin`: a load checked now and written
+        later reads them, whatever the prefetches evict meanwhile. No copy: they are views of
+        the read-ahead `HostStore`'s memory, which it never reuses while a view of a record is
+        alive, evicted or not. Returns their keys."""
         with self._lock:
-            for record in held:
+            for record in records:
                 self._pinned.setdefault(record.key, []).append(record)
-        return [r.key for r in held]
+        return [r.key for r in records]
 
     def unpin(self, keys: Sequence[str]) -> None:
         """Lets go of records `pin` held (once per `pin` of each)."""
