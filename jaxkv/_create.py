@@ -73,23 +73,24 @@ def common_create(*, page_size: int) -> Callable[[F], F]:
         params = [
             first,
             param("size"),
-            param("page_size", page_size),
+            param("page_size", defaults["page_size"]),
             param("dtype", defaults["dtype"]),
             *[p for p in own if p.default is inspect.Parameter.empty],
             param("layer_num"),
             *[p for p in own if p.default is not inspect.Parameter.empty],
-            param("start_layer", 0),
-            param("sharding", None),
+            param("start_layer", defaults["start_layer"]),
+            param("sharding", defaults["sharding"]),
         ]
         signature = inspect.Signature(params)
         names = {p.name for p in params[1:]}
+        required = [p.name for p in params[1:] if p.name in COMMON_ARGS and p.default is p.empty]
 
         @functools.wraps(create)
         def checked(cls, **kwargs):
             unknown = sorted(set(kwargs) - names)
             if unknown:
                 raise TypeError(f"{cls.__name__}.create() got unexpected arguments {unknown}")
-            missing = [n for n in ("size", "layer_num") if n not in kwargs]
+            missing = [n for n in required if n not in kwargs]
             if missing:
                 raise TypeError(f"{cls.__name__}.create() missing required arguments {missing}")
             common = {n: kwargs.pop(n, defaults.get(n)) for n in COMMON_ARGS}
