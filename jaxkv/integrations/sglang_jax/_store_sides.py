@@ -134,7 +134,7 @@ class KnownKeys(BlockStore):
                 # Under the lock that ends the watch: a drop reported later finds the keys.
                 stored = zip(keys, held, answers) if answers else ()
                 self._remember([k for k, h, w in stored if (h or w) and k not in dropped])
-        return StoreResult(answers, asked.errors + wrote.errors if new else asked.errors)
+        return StoreResult(answers, asked.errors + wrote.errors)
 
     def __len__(self) -> int:
         return len(self.store)
